@@ -1,0 +1,46 @@
+# dflash_mp — `make help` lists the targets.
+.DEFAULT_GOAL := help
+SHELL := /bin/bash
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The torch wheel to install first. On a CPU-only machine with the 2.13.0 CPU build on disk this
+# takes that file; on a GPU box it takes the CUDA build. Override: make setup TORCH_SPEC='torch==2.11.0'.
+TORCH_SPEC ?= torch==2.13.0
+RUN_DIR ?=
+ARGS ?=
+
+.PHONY: help setup test lint format train eval bench clean
+
+help: ## Show this help
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-8s %s\n", $$1, $$2}'
+
+setup: $(VENV)/.installed ## Build .venv from pyproject.toml (torch, hydra, transformers, dev tools, reference dflash)
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	# The reference inference package, for the parity tests; its pins (torch, transformers) are not ours.
+	$(PY) -m pip install -q --no-deps "dflash==0.1.0"
+	touch $@
+
+test: setup ## Lint, then run the test suite (CPU; GPU tests are skipped without a GPU)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest
+
+lint: setup ## ruff check + format check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup ## Apply ruff's formatter and autofixes
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+train: setup ## Train the embedded default (2 target + 1 drafter ranks, CPU); RUN_DIR=path ARGS="key=value ..."
+	$(PY) -m dflash_mp.train $(if $(RUN_DIR),run_dir=$(RUN_DIR)) $(ARGS)
+
+clean: ## Remove .venv and local run outputs
+	rm -rf $(VENV) runs outputs multirun .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""dflash_mp: a multi-process trainer for DFlash speculative-decoding drafters."""

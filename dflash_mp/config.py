@@ -1,0 +1,309 @@
+"""Typed configuration: Hydra ConfigStore schemas and validation at the edge.
+
+Every field carries a one-line comment. `validate(cfg)` checks the composed config
+before any process allocates a device, and reports *all* problems at once, each naming
+the field and what would be valid.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from dflash_mp.embedded import embedded_path
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message lists every problem found."""
+
+
+@dataclass
+class ModelConfig:
+    # Local HF-format directory of the frozen target (config.json + safetensors + tokenizer).
+    target_path: str = MISSING
+    # Allow custom modelling code shipped with the target (off unless you trust the directory).
+    trust_remote_code: bool = False
+    # Number of DFlash (draft) transformer layers.
+    draft_layers: int = 1
+    # Target layers whose outputs feed the drafter (0-based); null = DFlash default spacing.
+    target_layer_ids: list[int] | None = None
+    # Tokens per draft block: one known token followed by block_size-1 MASK tokens.
+    block_size: int = 16
+    # Token used for the masked block positions; must exist in the target tokenizer.
+    mask_token: str = "<|MASK|>"
+
+
+@dataclass
+class DataConfig:
+    # JSONL files of chat records {"messages": [{"role": ..., "content": ...}, ...]}.
+    train_files: list[str] = field(default_factory=list)
+    # Held-out prompts (JSONL, same format) for acceptance-length evaluation.
+    eval_files: list[str] = field(default_factory=list)
+    # Longest tokenized sequence kept (prompt + response), in tokens.
+    max_length: int = 3072
+    # Anchor positions sampled per sequence (each starts one draft block).
+    num_anchors: int = 512
+    # What to do with a malformed record: skip it (counted, logged with file:line) or fail.
+    on_bad_record: str = "skip"
+
+
+@dataclass
+class TopologyConfig:
+    # Ranks running the frozen target forward (global ranks 0..targets-1).
+    targets: int = 2
+    # Ranks training the drafter, data-parallel among themselves (the following ranks).
+    drafters: int = 1
+    # Micro-batch sends a target rank may have in flight before it waits (bounds memory).
+    max_inflight_sends: int = 2
+
+
+@dataclass
+class OptimConfig:
+    # AdamW peak learning rate.
+    lr: float = 6e-4
+    # AdamW decoupled weight decay.
+    weight_decay: float = 0.0
+    # AdamW betas.
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    # Fraction of the optimizer steps spent in linear warm-up before the cosine decay.
+    warmup_ratio: float = 0.04
+    # Final learning rate as a fraction of the peak.
+    min_lr_ratio: float = 0.0
+    # Gradient-norm clipping threshold (0 disables clipping).
+    grad_clip: float = 1.0
+
+
+@dataclass
+class LoggerConfig:
+    # "none" or "wandb" (wandb logs from the first drafter rank only).
+    backend: str = "none"
+    # wandb project name.
+    project: str = "dflash_mp"
+    # wandb mode: offline (default, no network), online, or disabled.
+    mode: str = "offline"
+    # Print a progress line every this many optimizer steps on the first drafter rank.
+    progress_every: int = 1
+
+
+@dataclass
+class TrainConfig:
+    # Optimizer steps to run; -1 derives them from `epochs` and the data size.
+    max_steps: int = -1
+    # Passes over the training data when max_steps is -1.
+    epochs: int = 6
+    # Sequences per micro-batch (one transport message).
+    micro_batch_size: int = 1
+    # Micro-batches accumulated per drafter rank per optimizer step.
+    grad_accum: int = 1
+    # Seed for data order, anchors and drafter init; the same seed gives the same run.
+    seed: int = 0
+    # Loss decay over block positions: weight exp(-(k-1)/gamma) (7 for block 16).
+    gamma: float = 7.0
+    # Save a checkpoint every this many optimizer steps (0: only at the end).
+    checkpoint_every: int = 0
+    # Checkpoints kept on disk (oldest removed first).
+    keep_checkpoints: int = 2
+    # Continue from the newest complete checkpoint in run_dir/checkpoints.
+    resume: bool = False
+    # Non-finite loss or gradient: "skip" the optimizer step or "stop" the job.
+    on_nonfinite: str = "stop"
+    # "auto" (cuda when available), "cuda" or "cpu".
+    device: str = "auto"
+    # Drafter training dtype: "auto" (bf16 autocast on GPU, fp32 on CPU), "float32", "bfloat16".
+    dtype: str = "auto"
+    # Attention kernel for the block-sparse mask: "auto" (flex on GPU, sdpa on CPU), "flex", "sdpa".
+    attention: str = "auto"
+    # torch.compile the drafter step, per process: "auto" (on for GPU), true or false.
+    compile: str = "auto"
+    # Write the HF-format drafter to run_dir/export at the end of training.
+    export: bool = True
+
+
+@dataclass
+class WatchdogConfig:
+    # Seconds without progress after which a rank is reported hung and the job torn down (0 disables).
+    timeout_s: float = 300.0
+
+
+@dataclass
+class EvalConfig:
+    # Measure acceptance length every this many steps during training (0 disables).
+    every: int = 0
+    # Held-out prompts used per measurement.
+    num_prompts: int = 8
+    # New tokens generated per prompt.
+    max_new_tokens: int = 64
+
+
+@dataclass
+class RootConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    # The job's run directory, identical for every rank; empty: rank 0 picks runs/<name>-<time>
+    # and shares it with the other ranks through the rendezvous store.
+    run_dir: str = ""
+    # Free-form experiment name (shows in logs and wandb).
+    name: str = "dflash"
+
+
+def register_configs() -> None:
+    """Register the schemas so conf/*.yaml are type-checked when Hydra composes them."""
+    ConfigStore.instance().store(name="schema", node=RootConfig)
+
+
+if not OmegaConf.has_resolver("embedded"):
+    # `${embedded:data/train.jsonl}` names a bundled asset; the tiny target is built on first use.
+    OmegaConf.register_new_resolver("embedded", lambda name: str(embedded_path(name)))
+
+
+# ----------------------------------------------------------------------------------------
+# validation
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default: evenly spaced from layer 1 to layer L-3 (one draft layer: L//2)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def read_target_config(target_path: str) -> dict[str, Any]:
+    """The target's config.json as a dict (cheap: no model import)."""
+    with open(Path(target_path) / "config.json") as f:
+        config = json.load(f)
+    # Multimodal wrappers keep the language model under text_config.
+    return config.get("text_config", config) if "num_hidden_layers" not in config else config
+
+
+def resolved_target_layer_ids(cfg: DictConfig | RootConfig, num_target_layers: int) -> list[int]:
+    ids = cfg.model.target_layer_ids
+    if ids is None:
+        return default_target_layer_ids(num_target_layers, cfg.model.draft_layers)
+    return list(ids)
+
+
+def _choice(problems: list[str], name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        problems.append(f"{name}={value!r}: must be one of {', '.join(map(repr, allowed))}")
+
+
+def _at_least(problems: list[str], name: str, value: float, low: float, hint: str = "") -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= low):
+        problems.append(f"{name}={value!r}: must be >= {low}{hint}")
+
+
+def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> None:
+    """Raise ConfigError listing every problem in `cfg` (fields named, valid ranges given)."""
+    problems: list[str] = []
+    m, d, t, o, tr = cfg.model, cfg.data, cfg.topology, cfg.optim, cfg.train
+
+    _at_least(problems, "topology.targets", t.targets, 1)
+    _at_least(problems, "topology.drafters", t.drafters, 1)
+    _at_least(problems, "topology.max_inflight_sends", t.max_inflight_sends, 1)
+    if world_size is not None and t.targets + t.drafters != world_size:
+        problems.append(
+            f"topology.targets + topology.drafters = {t.targets} + {t.drafters} = "
+            f"{t.targets + t.drafters}, but WORLD_SIZE is {world_size}: set them to sum to "
+            f"{world_size} (for example topology.targets={max(world_size - t.drafters, 1)} "
+            f"topology.drafters={min(t.drafters, world_size - 1)}) or launch with "
+            f"--nproc-per-node {t.targets + t.drafters}"
+        )
+
+    if not (isinstance(o.lr, (int, float)) and 0 < o.lr < 1):
+        problems.append(f"optim.lr={o.lr!r}: must be in (0, 1), e.g. 6e-4")
+    _at_least(problems, "optim.weight_decay", o.weight_decay, 0.0)
+    if not (0.0 <= o.warmup_ratio < 1.0):
+        problems.append(f"optim.warmup_ratio={o.warmup_ratio!r}: must be in [0, 1)")
+    if not (0.0 <= o.min_lr_ratio <= 1.0):
+        problems.append(f"optim.min_lr_ratio={o.min_lr_ratio!r}: must be in [0, 1]")
+    _at_least(problems, "optim.grad_clip", o.grad_clip, 0.0, " (0 disables clipping)")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        problems.append(f"optim.betas={list(o.betas)!r}: must be two numbers in [0, 1)")
+
+    if tr.max_steps != -1:
+        _at_least(problems, "train.max_steps", tr.max_steps, 1, " (or -1 to derive from train.epochs)")
+    _at_least(problems, "train.epochs", tr.epochs, 1)
+    _at_least(problems, "train.micro_batch_size", tr.micro_batch_size, 1)
+    _at_least(problems, "train.grad_accum", tr.grad_accum, 1)
+    _at_least(problems, "train.seed", tr.seed, 0)
+    if not (isinstance(tr.gamma, (int, float)) and tr.gamma > 0):
+        problems.append(f"train.gamma={tr.gamma!r}: must be > 0 (7 for block_size 16)")
+    _at_least(problems, "train.checkpoint_every", tr.checkpoint_every, 0, " (0: only at the end)")
+    _at_least(problems, "train.keep_checkpoints", tr.keep_checkpoints, 1)
+    _choice(problems, "train.on_nonfinite", tr.on_nonfinite, ("skip", "stop"))
+    _choice(problems, "train.device", tr.device, ("auto", "cuda", "cpu"))
+    _choice(problems, "train.dtype", tr.dtype, ("auto", "float32", "bfloat16"))
+    _choice(problems, "train.attention", tr.attention, ("auto", "flex", "sdpa"))
+    _choice(problems, "train.compile", str(tr.compile).lower(), ("auto", "true", "false"))
+
+    _at_least(problems, "watchdog.timeout_s", cfg.watchdog.timeout_s, 0.0, " (0 disables)")
+    _at_least(problems, "eval.every", cfg.eval.every, 0, " (0 disables)")
+    _choice(problems, "logger.backend", cfg.logger.backend, ("none", "wandb"))
+    _choice(problems, "logger.mode", cfg.logger.mode, ("offline", "online", "disabled"))
+
+    if m.block_size < 2:
+        problems.append(f"model.block_size={m.block_size!r}: must be >= 2 (one known token + masks)")
+    _at_least(problems, "data.max_length", d.max_length, 8)
+    _at_least(problems, "data.num_anchors", d.num_anchors, 1)
+    _choice(problems, "data.on_bad_record", d.on_bad_record, ("skip", "fail"))
+    if not d.train_files:
+        problems.append("data.train_files is empty: give at least one JSONL file")
+    for i, path in enumerate(list(d.train_files) + list(d.eval_files)):
+        key = f"data.train_files[{i}]" if i < len(d.train_files) else f"data.eval_files[{i - len(d.train_files)}]"
+        if not os.path.isfile(path):
+            problems.append(f"{key}={path!r}: file does not exist")
+
+    target_dir = Path(str(m.target_path))
+    if not (target_dir / "config.json").is_file():
+        problems.append(
+            f"model.target_path={str(m.target_path)!r}: no config.json there; point it at a local "
+            "HF-format model directory"
+        )
+    else:
+        target = read_target_config(str(target_dir))
+        num_layers = int(target["num_hidden_layers"])
+        if not (1 <= m.draft_layers <= num_layers):
+            problems.append(
+                f"model.draft_layers={m.draft_layers!r}: must be in [1, {num_layers}] "
+                f"(the target has {num_layers} layers)"
+            )
+        else:
+            ids = resolved_target_layer_ids(cfg, num_layers)
+            bad = [i for i in ids if not (0 <= i < num_layers)]
+            if bad:
+                problems.append(
+                    f"model.target_layer_ids={ids!r}: ids {bad} are outside the target's "
+                    f"layers [0, {num_layers - 1}]"
+                )
+            if len(set(ids)) != len(ids):
+                problems.append(f"model.target_layer_ids={ids!r}: ids must be distinct")
+        max_positions = target.get("max_position_embeddings")
+        if max_positions is not None and d.max_length > max_positions:
+            problems.append(
+                f"data.max_length={d.max_length}: exceeds the target's max_position_embeddings "
+                f"({max_positions})"
+            )
+
+    if problems:
+        raise ConfigError(
+            f"{len(problems)} configuration problem(s):\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+
+
+def to_dataclass(cfg: DictConfig) -> RootConfig:
+    """The composed DictConfig as a typed RootConfig (fully resolved)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RootConfig), cfg))  # type: ignore[return-value]

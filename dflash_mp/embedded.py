@@ -1,0 +1,317 @@
+"""The embedded default: a tiny random Qwen3-shaped target and a small bundled chat data set.
+
+Nothing here touches the network. The target (weights, tokenizer, chat template) is built
+deterministically on first use into a cache directory, atomically, so that every torchrun
+rank can call `embedded_path("target")` at the same time. torch and transformers are imported
+only inside the build: config validation imports this module and must stay fast.
+
+    python -m dflash_mp.embedded --write-data            # regenerate assets/data/*.jsonl
+    python -m dflash_mp.embedded --build-target [--force] # build the target, print its path
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+DATA_FILES = ("data/train.jsonl", "data/eval.jsonl")
+# Bump when the build recipe changes; the data digest is appended, so new data gives a new target.
+TARGET_VERSION = "embedded-target-v1"
+TARGET_SEED = 1234
+DATA_SEED = 20240601
+MAX_TOKENS = 128
+
+IM_START, IM_END, PAD, MASK, UNK = "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|MASK|>", "<unk>"
+# Fixed order: these become token ids 0..4.
+SPECIAL_TOKENS = (PAD, IM_START, IM_END, MASK, UNK)
+# GPT-style word pieces: a word or one punctuation mark with an optional leading space, or one
+# whitespace character. Word-level tokens keep conversations short and decoding lossless.
+PIECE_PATTERN = r" ?\w+| ?[^\w\s]|\s"
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+TARGET_SHAPE = dict(
+    hidden_size=64,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=192,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+)
+
+
+def cache_dir() -> Path:
+    """Where built artefacts live: $DFLASH_MP_CACHE, else ~/.cache/dflash_mp."""
+    return Path(os.environ.get("DFLASH_MP_CACHE") or Path.home() / ".cache" / "dflash_mp")
+
+
+def embedded_path(name: str) -> Path:
+    """Path of an embedded asset: "target" (built on first use) or a bundled file such as data/train.jsonl."""
+    if name == "target":
+        return ensure_target()
+    path = (ASSETS / name).resolve()
+    if ASSETS not in path.parents or not path.is_file():
+        raise FileNotFoundError(
+            f"no embedded asset {name!r} (looked at {path}); known names: target, {', '.join(DATA_FILES)}. "
+            "Regenerate the data with `python -m dflash_mp.embedded --write-data`."
+        )
+    return path
+
+
+# ----------------------------------------------------------------------------------------
+# target
+
+
+def target_dir() -> Path:
+    """The versioned cache directory of the tiny target (it may not exist yet)."""
+    digest = hashlib.sha256()
+    for name in DATA_FILES:
+        digest.update((ASSETS / name).read_bytes())
+    return cache_dir() / f"{TARGET_VERSION}-{digest.hexdigest()[:10]}"
+
+
+def ensure_target(force: bool = False) -> Path:
+    """Build the tiny target unless it is already there; safe when many processes call it at once."""
+    final = target_dir()
+    if force and final.exists():
+        # Move it aside first so that other processes never see a half-deleted directory.
+        trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+        os.rename(final, trash / "old")
+        shutil.rmtree(trash)
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        build_target(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process renamed its build into place first: theirs is identical, use it.
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def build_tokenizer(conversations: list[list[dict[str, str]]]) -> Any:
+    """A word-level PreTrainedTokenizerFast whose vocabulary is every piece of `conversations`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    counts = Counter(
+        piece
+        for messages in conversations
+        for text in _render_chat(messages)
+        for piece in re.findall(PIECE_PATTERN, text)
+    )
+    # Ties broken by the piece itself, so the vocabulary is the same on every machine.
+    pieces = sorted(counts, key=lambda piece: (-counts[piece], piece))
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(pieces))}
+
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE_PATTERN), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=[IM_START, MASK],
+        clean_up_tokenization_spaces=False,
+        model_max_length=TARGET_SHAPE["max_position_embeddings"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_target(out_dir: Path) -> None:
+    """Write the tiny target (HF format: config, safetensors, tokenizer, chat template) into out_dir."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    conversations = [json.loads(line)["messages"] for name in DATA_FILES for line in _read_lines(name)]
+    tokenizer = build_tokenizer(conversations)
+    tokenizer.save_pretrained(out_dir)
+
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        dtype="float32",
+        **TARGET_SHAPE,
+    )
+    model = Qwen3ForCausalLM(config).float()
+    generator = torch.Generator().manual_seed(TARGET_SEED)
+    # Uniform draws scaled by exact float ops are bitwise identical on every CPU, unlike normal_()
+    # whose vectorised transcendental maths depends on the instruction set.
+    half_width = config.initializer_range * 3**0.5
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            if param.ndim == 1:  # RMSNorm scales
+                param.fill_(1.0)
+            else:
+                param.copy_((torch.rand(param.shape, generator=generator) * 2 - 1) * half_width)
+    model.generation_config.do_sample = False
+    model.save_pretrained(out_dir)
+
+
+def _read_lines(name: str) -> list[str]:
+    return [line for line in (ASSETS / name).read_text().splitlines() if line.strip()]
+
+
+def _render_chat(messages: list[dict[str, str]]) -> list[str]:
+    """The chat template's text split around special tokens (those never reach the pre-tokenizer)."""
+    turns = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages)
+    return [part for part in re.split("|".join(map(re.escape, SPECIAL_TOKENS)), turns) if part]
+
+
+# ----------------------------------------------------------------------------------------
+# bundled data: templated tasks a small model can learn from the left context
+
+_WORD_LIST = """
+apple bird boat bread cake cat cloud door duck fish flower garden green hill horse house lamp leaf
+lemon moon mouse music ocean orange paper pencil river road seed sheep snow star stone sun table
+tiger train tree water window yellow
+"""
+WORDS = _WORD_LIST.split()
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "You are a careful assistant. Answer exactly.",
+    "You are a patient teacher.",
+)
+
+
+def _count_up(rng: random.Random) -> tuple[str, str]:
+    start = rng.randint(1, 25)
+    end = start + rng.randint(4, 12)
+    return f"Count from {start} to {end}.", " ".join(map(str, range(start, end + 1))) + "."
+
+
+def _count_down(rng: random.Random) -> tuple[str, str]:
+    end = rng.randint(0, 20)
+    start = end + rng.randint(4, 12)
+    return f"Count down from {start} to {end}.", " ".join(map(str, range(start, end - 1, -1))) + "."
+
+
+def _count_by(rng: random.Random) -> tuple[str, str]:
+    step, start = rng.randint(2, 5), rng.randint(0, 10)
+    numbers = [start + step * i for i in range(rng.randint(4, 7))]
+    return f"Count by {step} from {start} to {numbers[-1]}.", " ".join(map(str, numbers)) + "."
+
+
+def _repeat(rng: random.Random) -> tuple[str, str]:
+    words = rng.sample(WORDS, rng.randint(3, 6))
+    return f"Repeat these words: {' '.join(words)}", " ".join(words)
+
+
+def _reverse(rng: random.Random) -> tuple[str, str]:
+    words = rng.sample(WORDS, rng.randint(3, 6))
+    return f"Reverse these words: {' '.join(words)}", " ".join(reversed(words))
+
+
+def _spell(rng: random.Random) -> tuple[str, str]:
+    word = rng.choice(WORDS)
+    return f"Spell the word {word}.", f"The word {word} is spelled {' '.join(word)}."
+
+
+def _add(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(1, 20), rng.randint(1, 6)
+    steps = " ".join(str(a + i) for i in range(1, b + 1))
+    return f"What is {a} plus {b}?", f"Start at {a} and count {b} more: {steps}. So {a} plus {b} is {a + b}."
+
+
+def _times_table(rng: random.Random) -> tuple[str, str]:
+    k, n = rng.randint(2, 5), rng.randint(3, 5)
+    rows = " ".join(f"{k} times {i} is {k * i}." for i in range(1, n + 1))
+    return f"Write the times table of {k} up to {n}.", rows
+
+
+def _alphabet(rng: random.Random) -> tuple[str, str]:
+    n = rng.randint(4, 10)
+    start = rng.randint(0, len(LETTERS) - n)
+    letters = LETTERS[start : start + n]
+    return f"Continue the alphabet from {letters[0]} for {n} letters.", " ".join(letters)
+
+
+TASKS = (_count_up, _count_down, _count_by, _repeat, _reverse, _spell, _add, _times_table, _alphabet)
+
+
+def _conversation(rng: random.Random) -> list[dict[str, str]]:
+    messages = []
+    if rng.random() < 0.3:
+        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    for _ in range(2 if rng.random() < 0.25 else 1):
+        question, answer = rng.choice(TASKS)(rng)
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return messages
+
+
+def _num_tokens(messages: list[dict[str, str]]) -> int:
+    """Token count under the embedded tokenizer: <|im_start|> and <|im_end|> per turn, plus the pieces."""
+    return 2 * len(messages) + sum(len(re.findall(PIECE_PATTERN, part)) for part in _render_chat(messages))
+
+
+def generate_conversations(count: int, rng: random.Random) -> list[list[dict[str, str]]]:
+    """`count` conversations, each shorter than MAX_TOKENS tokens with the chat template."""
+    conversations: list[list[dict[str, str]]] = []
+    while len(conversations) < count:
+        messages = _conversation(rng)
+        if _num_tokens(messages) < MAX_TOKENS:
+            conversations.append(messages)
+    return conversations
+
+
+def write_data(num_train: int = 2000, num_eval: int = 64) -> None:
+    """Regenerate assets/data/{train,eval}.jsonl; the same seed always writes the same bytes."""
+    rng = random.Random(DATA_SEED)
+    for name, count in zip(DATA_FILES, (num_train, num_eval), strict=True):
+        path = ASSETS / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps({"messages": m}) + "\n" for m in generate_conversations(count, rng)]
+        path.write_text("".join(lines))
+        print(f"wrote {len(lines)} conversations to {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--write-data", action="store_true", help="regenerate the bundled JSONL data")
+    parser.add_argument(
+        "--build-target", action="store_true", help="build the tiny target and print its path"
+    )
+    parser.add_argument("--force", action="store_true", help="rebuild the target even if it is cached")
+    args = parser.parse_args()
+    if not (args.write_data or args.build_target):
+        parser.error("nothing to do: pass --write-data and/or --build-target")
+    if args.write_data:
+        write_data()
+    if args.build_target:
+        print(ensure_target(force=args.force))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Per-step metrics: metrics.jsonl, a console progress line with ETA, optional wandb.
+
+All of it lives on the first drafter rank only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash_mp.logs import get_logger
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop lines past `last_step` (a resumed run rewrites the steps after its checkpoint)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (ValueError, KeyError):
+            continue  # a line cut short by a kill
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path, total_steps: int, first_step: int, logger_cfg, config: dict) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        truncate_metrics(self.path, first_step)
+        self.file = open(self.path, "a")  # noqa: SIM115 - held open for the run
+        self.total_steps = total_steps
+        self.first_step = first_step
+        self.start = time.perf_counter()
+        self.progress_every = max(1, int(logger_cfg.progress_every))
+        self.wandb = None
+        if logger_cfg.backend == "wandb":
+            self.wandb = _init_wandb(run_dir, logger_cfg, config)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            flat = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+            for k, v in enumerate(record.get("acc", [])):
+                flat[f"acc/pos{k + 1}"] = v
+            self.wandb.log(flat, step=record["step"])
+        step = record["step"]
+        if step % self.progress_every == 0 or step == self.total_steps:
+            self._progress(record)
+
+    def _progress(self, record: dict[str, Any]) -> None:
+        done = record["step"] - self.first_step
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / max(done, 1) * (self.total_steps - record["step"])
+        width = 24
+        filled = int(width * record["step"] / max(self.total_steps, 1))
+        bar = "#" * filled + "-" * (width - filled)
+        line = (
+            f"[{bar}] step {record['step']}/{self.total_steps} loss {record['loss']:.4f} "
+            f"lr {record['lr']:.2e} {record['samples_per_s']:.1f} samples/s "
+            f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}"
+        )
+        if sys.stderr.isatty():
+            print("\r" + line, end="" if record["step"] < self.total_steps else "\n", file=sys.stderr, flush=True)
+        else:
+            get_logger().info(line)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _init_wandb(run_dir, logger_cfg, config: dict):
+    try:
+        import wandb
+    except ImportError as e:
+        raise RuntimeError("logger=wandb needs the wandb package: pip install 'dflash_mp[wandb]'") from e
+    # The API key stays in the environment (WANDB_API_KEY / ~/.netrc); nothing here writes it.
+    return wandb.init(
+        project=logger_cfg.project,
+        mode=logger_cfg.mode,
+        dir=str(run_dir),
+        config=config,
+        name=Path(run_dir).name,
+        resume="allow",
+        id=Path(run_dir).name.replace("/", "_"),
+    )

@@ -1,0 +1,225 @@
+"""The DFlash drafter as a training module (DESIGN.md §3).
+
+Parameter names, config keys and numerics follow the reference `dflash.model.DFlashDraftModel`, so an
+export of this module loads there unchanged. Unlike the reference, one forward pass takes many blocks
+at once: the caller passes every block of a sequence together with a block-sparse mask, and the
+result equals running the reference once per block.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils.checkpoint import checkpoint
+from transformers import PretrainedConfig, Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+# Target-config keys that fix the shape and numerics of a decoder layer; the drafter copies them.
+_LAYER_SHAPE_KEYS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "hidden_act",
+    "rms_norm_eps",
+    "attention_bias",
+    "max_position_embeddings",
+    "vocab_size",
+    "initializer_range",
+)
+# Both the current (`rope_parameters`) and the legacy spelling, which Qwen3Config converts itself.
+_ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling")
+
+AttentionMask = torch.Tensor | BlockMask
+
+
+def build_drafter_config(
+    target_config: dict[str, Any] | PretrainedConfig,
+    draft_layers: int,
+    target_layer_ids: list[int],
+    block_size: int,
+    mask_token_id: int,
+) -> Qwen3Config:
+    """The drafter's config: the target's layer shapes, `draft_layers` layers and the DFlash fields."""
+    if isinstance(target_config, PretrainedConfig):
+        target = target_config.get_text_config().to_dict()
+    else:
+        target = dict(target_config.get("text_config", target_config))
+    num_target_layers = int(target["num_hidden_layers"])
+    problems = []
+    if draft_layers < 1:
+        problems.append(f"draft_layers must be >= 1, got {draft_layers}")
+    if not target_layer_ids or any(not 0 <= i < num_target_layers for i in target_layer_ids):
+        problems.append(
+            f"target_layer_ids {target_layer_ids} must be a non-empty list of target layers "
+            f"in [0, {num_target_layers - 1}]"
+        )
+    if block_size < 2:
+        problems.append(f"block_size must be >= 2 (one known token plus masks), got {block_size}")
+    if not 0 <= mask_token_id < int(target["vocab_size"]):
+        problems.append(
+            f"mask_token_id {mask_token_id} is outside the target vocabulary [0, {target['vocab_size']})"
+        )
+    if problems:
+        raise ValueError("invalid drafter config: " + "; ".join(problems))
+
+    fields = {key: target[key] for key in _LAYER_SHAPE_KEYS + _ROPE_KEYS if target.get(key) is not None}
+    # Older configs omit head_dim; Qwen3Config's default (128) would then be wrong.
+    fields["head_dim"] = target.get("head_dim") or target["hidden_size"] // target["num_attention_heads"]
+    return Qwen3Config(
+        **fields,
+        num_hidden_layers=draft_layers,
+        architectures=["DFlashDraftModel"],
+        num_target_layers=num_target_layers,
+        dflash_config={
+            "target_layer_ids": [int(i) for i in target_layer_ids],
+            "block_size": int(block_size),
+            "mask_token_id": int(mask_token_id),
+        },
+    )
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    # Compiled on first use, once per process: eager flex_attention materialises the full score matrix.
+    return torch.compile(flex_attention)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    """Block queries attend to [projected context ; block] keys, all at their true positions."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask,
+    ) -> torch.Tensor:
+        batch, num_queries, _ = hidden_states.shape
+        keys_in = torch.cat([context, hidden_states], dim=1)
+        num_keys = keys_in.shape[1]
+        q = self.q_norm(self.q_proj(hidden_states).view(batch, num_queries, -1, self.head_dim))
+        k = self.k_norm(self.k_proj(keys_in).view(batch, num_keys, -1, self.head_dim))
+        v = self.v_proj(keys_in).view(batch, num_keys, -1, self.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, tokens, head_dim]
+        # cos/sin cover [context ; block] positions; the queries are the block, i.e. the last rows.
+        q = _rope(q, cos[:, :, -num_queries:], sin[:, :, -num_queries:])
+        k = _rope(k, cos, sin)
+        if isinstance(mask, BlockMask):
+            out = _compiled_flex_attention()(q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, num_queries, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """A pre-norm Qwen3 decoder layer whose attention also reads the target context."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask,
+    ) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), context, cos, sin, mask
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash draft layers over target features; state dict keys equal `DFlashDraftModel`'s.
+
+    The token embedding and LM head belong to the frozen target and live outside this module.
+    """
+
+    def __init__(self, config: Qwen3Config, seed: int = 0, gradient_checkpointing: bool = False) -> None:
+        super().__init__()
+        dflash = config.dflash_config
+        self.config = config
+        self.target_layer_ids: list[int] = list(dflash["target_layer_ids"])
+        self.block_size: int = int(dflash["block_size"])
+        self.mask_token_id: int = int(dflash["mask_token_id"])
+        self.gradient_checkpointing = gradient_checkpointing
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.init_weights(torch.Generator().manual_seed(seed))
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """HF Qwen3 init (normal(0, initializer_range) linears, zero biases, unit norms) from `generator`.
+
+        Parameters are drawn in module order from one CPU generator, so every drafter rank that passes
+        the same seed starts from identical weights regardless of its device.
+        """
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                weight = torch.empty(module.weight.shape, dtype=torch.float32)
+                module.weight.copy_(weight.normal_(0.0, std, generator=generator))
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, Qwen3RMSNorm):
+                module.weight.fill_(1.0)
+
+    def forward(
+        self,
+        context_features: torch.Tensor,
+        block_embeddings: torch.Tensor,
+        context_positions: torch.Tensor,
+        block_positions: torch.Tensor,
+        mask: AttentionMask,
+    ) -> torch.Tensor:
+        """Hidden states [B, Q, H] (after the final norm) for the block tokens.
+
+        context_features [B, S, K*H] are the concatenated target layer outputs; block_embeddings
+        [B, Q, H] the target's embeddings of the block tokens; positions are the tokens' true positions.
+        `mask` is a boolean [B, 1, Q, S+Q] tensor (True = may attend; keys are context first, then the
+        block) or a flex_attention BlockMask over the same [Q, S+Q] layout.
+        """
+        context = self.hidden_norm(self.fc(context_features))
+        positions = torch.cat([context_positions, block_positions], dim=1)
+        cos, sin = self.rotary_emb(block_embeddings, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+        hidden_states = block_embeddings
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                hidden_states = checkpoint(layer, hidden_states, context, cos, sin, mask, use_reentrant=False)
+            else:
+                hidden_states = layer(hidden_states, context, cos, sin, mask)
+        return self.norm(hidden_states)

@@ -1,0 +1,168 @@
+"""The frozen target: hidden states for the drafter, and its embedding and LM head for the loss.
+
+Target ranks run `TargetFeatureExtractor`; drafter ranks only need the target's embedding and
+LM head matrices, which `load_embedding_and_head` reads straight from the safetensors files so a
+70B target is never instantiated there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+log = logging.getLogger(__name__)
+
+_EMBEDDING_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+_HEAD_NAMES = ("lm_head.weight",)
+
+
+def load_target_config(path: str | Path, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The target's HF config, from the local directory only."""
+    return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+
+
+def _check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
+    if not layer_ids or any(not 0 <= i < num_layers for i in layer_ids):
+        raise ValueError(
+            f"model.target_layer_ids={list(layer_ids)} is invalid for a target with {num_layers} layers: "
+            f"use a non-empty list of layer indices in [0, {num_layers - 1}]"
+        )
+
+
+class _DropLoadReport(logging.Filter):
+    """Hides transformers' load report, which lists every weight of the layers we drop on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+
+@contextmanager
+def _without_load_report() -> Iterator[None]:
+    hf_logger = logging.getLogger("transformers.modeling_utils")
+    report_filter = _DropLoadReport()
+    hf_logger.addFilter(report_filter)
+    try:
+        yield
+    finally:
+        hf_logger.removeFilter(report_filter)
+
+
+class TargetFeatureExtractor(nn.Module):
+    """Frozen target truncated after its last needed layer; returns the drafter's context features."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        layer_ids: list[int],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        trust_remote_code: bool = False,
+    ) -> None:
+        super().__init__()
+        config = load_target_config(path, trust_remote_code=trust_remote_code)
+        text_config = config.get_text_config()
+        self.num_target_layers: int = text_config.num_hidden_layers
+        _check_layer_ids(layer_ids, self.num_target_layers)
+        self.layer_ids = list(layer_ids)
+        self.hidden_size: int = text_config.hidden_size
+
+        # Build only the layers we read, so the later ones are never materialised (their weights are skipped).
+        kept_layers = max(layer_ids) + 1
+        text_config.num_hidden_layers = kept_layers
+        if getattr(text_config, "layer_types", None) is not None:
+            text_config.layer_types = text_config.layer_types[:kept_layers]
+        device = torch.device(device)
+        # Loading straight onto an accelerator needs `accelerate`; without it, load on CPU and move.
+        load_on_device = device.type != "cpu" and importlib.util.find_spec("accelerate") is not None
+        with _without_load_report():
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path,
+                config=config,
+                dtype=dtype,
+                local_files_only=True,
+                trust_remote_code=trust_remote_code,
+                device_map=str(device) if load_on_device else None,
+                output_loading_info=True,
+            )
+        broken = sorted(info["missing_keys"]) + [str(k) for k in info["mismatched_keys"]]
+        if broken:
+            raise ValueError(f"target checkpoint {path} does not match its config: {broken[:8]}")
+        # Keep the decoder stack only; the LM head (and the rest of the wrapper) is dropped with `model`.
+        self.decoder = model.get_decoder().to(device).eval().requires_grad_(False)
+        layers = self.decoder.layers
+        log.info("target %s: running layers 0..%d of %d", path, kept_layers - 1, self.num_target_layers)
+
+        self._captured: dict[int, torch.Tensor] = {}
+        for layer_id in set(layer_ids):
+            layers[layer_id].register_forward_hook(self._capture_hook(layer_id))
+
+    def _capture_hook(self, layer_id: int) -> Callable[[nn.Module, tuple, Any], None]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            # Decoder layers return a tensor in transformers 5 and a tuple in older remote code.
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Concatenated outputs of target layers `layer_ids`: [B, S, K*H] (causal; no attention mask)."""
+        self._captured.clear()
+        last_hidden_state = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+        # HF's hidden_states[-1] carries the final norm, so the reference sees the normed last layer.
+        features = [
+            last_hidden_state if i == self.num_target_layers - 1 else self._captured[i]
+            for i in self.layer_ids
+        ]
+        self._captured.clear()
+        return torch.cat(features, dim=-1)
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file holding it, for a single-file or sharded checkpoint."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def _read_tensor(files: dict[str, Path], names: tuple[str, ...]) -> torch.Tensor | None:
+    name = next((n for n in names if n in files), None)
+    if name is None:
+        return None
+    with safe_open(files[name], framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def load_embedding_and_head(
+    path: str | Path, dtype: torch.dtype, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and LM head matrices, both [V, H], without building the model.
+
+    With tied embeddings (or no stored head) the head is the embedding tensor itself, not a copy.
+    """
+    path = Path(path)
+    files = _tensor_files(path)
+    embedding = _read_tensor(files, _EMBEDDING_NAMES)
+    if embedding is None:
+        raise KeyError(f"no input embedding ({' or '.join(_EMBEDDING_NAMES)}) in the checkpoint at {path}")
+    config = json.loads((path / "config.json").read_text())
+    tied = any(c.get("tie_word_embeddings", False) for c in (config, config.get("text_config", {})))
+    head = None if tied else _read_tensor(files, _HEAD_NAMES)
+    embedding = embedding.to(device=device, dtype=dtype)
+    head = embedding if head is None else head.to(device=device, dtype=dtype)
+    return embedding, head

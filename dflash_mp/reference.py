@@ -1,0 +1,38 @@
+"""Single-process reference trainer: target forward and drafter step in one process.
+
+The ground truth the multi-process runtime must reproduce (same micro-batches, same order,
+same math), and the colocated baseline the benchmarks compare against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_mp.config import RootConfig
+from dflash_mp.data import JsonlIndex
+from dflash_mp.roles import features_of, hidden_states_for_drafter, make_feature_extractor, make_reader, total_steps
+from dflash_mp.topology import Topology
+from dflash_mp.trainer import DrafterTrainer, resolve_precision
+
+
+def reference_train(cfg: RootConfig, device: torch.device | str = "cpu", on_step=None) -> DrafterTrainer:
+    """Train as a 1-target + 1-drafter job would; `on_step(record)` sees every step's metrics."""
+    device = torch.device(device)
+    topology = Topology(targets=1, drafters=1, grad_accum=cfg.train.grad_accum)
+    index = JsonlIndex(list(cfg.data.train_files))
+    steps = total_steps(cfg, len(index), topology)
+    dtype, _, _ = resolve_precision(cfg, device)
+    reader = make_reader(cfg, index)
+    extractor = make_feature_extractor(cfg, dtype, device)
+    trainer = DrafterTrainer(cfg, device, steps)
+    bad_before = 0
+    for step in range(steps):
+        for m in topology.micro_batches_of_drafter(0, step):
+            batch = reader.read(m)
+            hidden = hidden_states_for_drafter(extractor, batch, dtype, device)
+            bad, bad_before = reader.bad_records - bad_before, reader.bad_records
+            trainer.micro_step(features_of(batch, hidden, bad), last_of_step=m == (step + 1) * cfg.train.grad_accum - 1)
+        record = trainer.optimizer_step()
+        if on_step is not None:
+            on_step(record)
+    return trainer

@@ -1,0 +1,172 @@
+"""What a target rank and a drafter rank do for the length of a job."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+
+from dflash_mp import checkpoint
+from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
+from dflash_mp.data import JsonlIndex, MicroBatch, MicroBatchReader, load_tokenizer, micro_batches_per_epoch
+from dflash_mp.distributed import Job
+from dflash_mp.logs import get_logger
+from dflash_mp.topology import Topology
+from dflash_mp.transport import Features, Receiver, Sender, pack_tokens
+
+
+def total_steps(cfg: RootConfig, num_records: int, topology: Topology) -> int:
+    """Optimizer steps of the run: train.max_steps, or whole steps in train.epochs passes."""
+    if cfg.train.max_steps > 0:
+        return cfg.train.max_steps
+    per_epoch = micro_batches_per_epoch(num_records, cfg.train.micro_batch_size)
+    steps = cfg.train.epochs * per_epoch // topology.micro_batches_per_step
+    if steps == 0:
+        raise ValueError(
+            f"the data ({num_records} records) makes no whole optimizer step of "
+            f"{topology.micro_batches_per_step} micro-batches x {cfg.train.micro_batch_size} sequences: "
+            "lower train.grad_accum / train.micro_batch_size or add data"
+        )
+    return steps
+
+
+def make_reader(cfg: RootConfig, index: JsonlIndex) -> MicroBatchReader:
+    tokenizer = load_tokenizer(cfg.model.target_path, trust_remote_code=cfg.model.trust_remote_code)
+    return MicroBatchReader(
+        index=index,
+        tokenizer=tokenizer,
+        max_length=cfg.data.max_length,
+        on_bad_record=cfg.data.on_bad_record,
+        micro_batch_size=cfg.train.micro_batch_size,
+        seed=cfg.train.seed,
+        logger=get_logger(),
+    )
+
+
+def make_feature_extractor(cfg: RootConfig, dtype: torch.dtype, device: torch.device):
+    from dflash_mp.models.target import TargetFeatureExtractor
+
+    num_layers = int(read_target_config(cfg.model.target_path)["num_hidden_layers"])
+    return TargetFeatureExtractor(
+        cfg.model.target_path,
+        resolved_target_layer_ids(cfg, num_layers),
+        dtype=dtype,
+        device=device,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+
+
+def features_of(batch: MicroBatch, hidden_states: torch.Tensor, bad_records: int = 0) -> Features:
+    """A locally read micro-batch in the form the drafter consumes (the reference trainer's path)."""
+    return Features(
+        index=batch.index,
+        epoch=batch.epoch,
+        input_ids=batch.input_ids,
+        loss_mask=batch.loss_mask.long(),
+        lengths=batch.lengths,
+        sample_ids=batch.sample_ids,
+        hidden_states=hidden_states,
+        bad_records=bad_records,
+        nbytes=0,
+    )
+
+
+def hidden_states_for_drafter(extractor, batch: MicroBatch, dtype: torch.dtype, device: torch.device):
+    if batch.input_ids.shape[0] == 0:
+        return torch.empty(0, 0, extractor.feature_size, dtype=dtype, device=device)
+    return extractor(batch.input_ids.to(device)).to(dtype)
+
+
+def run_target(cfg: RootConfig, job: Job, start_step: int, steps: int, index: JsonlIndex, dtype) -> None:
+    log = get_logger()
+    topology = job.topology
+    reader = make_reader(cfg, index)
+    extractor = make_feature_extractor(cfg, dtype, job.device)
+    sender = Sender(job.meta_group, None, job.device, cfg.topology.max_inflight_sends)
+    start = start_step * topology.micro_batches_per_step
+    stop = steps * topology.micro_batches_per_step
+    mine = topology.micro_batches_of_target(job.rank, start, stop)
+    log.info("producing %d micro-batches in [%d, %d) every %d", len(mine), start, stop, topology.targets)
+    bad_before = reader.bad_records
+    for m in mine:
+        batch = reader.read(m)
+        dst = topology.drafter_rank(m)
+        bad, bad_before = reader.bad_records - bad_before, reader.bad_records
+        batch_size, seq_len = batch.input_ids.shape
+        # The header goes out before the forward, so the drafter can post its receives early.
+        sender.send_header(dst, m, batch.epoch, batch_size, seq_len, extractor.feature_size, dtype, bad)
+        hidden = hidden_states_for_drafter(extractor, batch, dtype, job.device)
+        tokens = pack_tokens(batch.input_ids, batch.loss_mask, batch.lengths, batch.sample_ids)
+        sender.send_tensors(dst, tokens, hidden)
+    for drafter, m_end in topology.end_of_data_indices(stop).items():
+        if topology.target_rank(m_end) == job.rank:
+            sender.send_end_of_data(topology.targets + drafter, m_end)
+    sender.close()
+    log.info(
+        "done: sent %.1f MB, busy %.1fs, waited %.1fs, %d bad records",
+        sender.bytes_sent / 1e6,
+        sender.timer.busy_s,
+        sender.timer.wait_s,
+        reader.bad_records,
+    )
+
+
+def drafter_indices(topology: Topology, drafter: int, start_step: int, steps: int):
+    """This drafter's micro-batch indices from `start_step`, then its end-of-data index."""
+    per_step = (topology.micro_batches_of_drafter(drafter, s) for s in range(start_step, steps))
+    end = topology.end_of_data_indices(steps * topology.micro_batches_per_step)[drafter]
+    return itertools.chain(itertools.chain.from_iterable(per_step), [end])
+
+
+def run_drafter(cfg: RootConfig, job: Job, trainer, start_step: int, steps: int, on_step) -> None:
+    """Receive, train, report. `on_step(record)` runs after every optimizer step."""
+    log = get_logger()
+    topology = job.topology
+    receiver = Receiver(
+        job.meta_group,
+        None,
+        job.device,
+        drafter_indices(topology, job.drafter_index, start_step, steps),
+        topology.target_rank,
+    )
+    target_balance: dict[int, tuple[float, float]] = {}
+    for _ in range(start_step, steps):
+        for micro in range(cfg.train.grad_accum):
+            batch = receiver.next()
+            if batch.end_of_data:
+                raise RuntimeError(f"end of data at micro-batch {batch.index}, before the last step")
+            target_balance[topology.target_rank(batch.index)] = (batch.sender_busy_s, batch.sender_wait_s)
+            trainer.micro_step(batch, last_of_step=micro == cfg.train.grad_accum - 1)
+            receiver.prefetch()
+        record = trainer.optimizer_step(_balance(receiver, target_balance))
+        on_step(record)
+    final = receiver.next()
+    if not final.end_of_data:
+        raise RuntimeError(f"expected the end-of-data flag at micro-batch {final.index}")
+    log.info("end of data after step %d", trainer.step)
+
+
+def _balance(receiver: Receiver, targets: dict[int, tuple[float, float]]) -> dict:
+    """Busy/wait fractions of each role, so a user sees whether to add targets or drafters."""
+    busy, wait = receiver.timer.busy_s, receiver.timer.wait_s
+    t_busy = sum(b for b, _ in targets.values())
+    t_wait = sum(w for _, w in targets.values())
+    return {
+        "drafter_busy_frac": busy / max(busy + wait, 1e-9),
+        "drafter_wait_frac": wait / max(busy + wait, 1e-9),
+        "target_busy_frac": t_busy / max(t_busy + t_wait, 1e-9),
+        "target_wait_frac": t_wait / max(t_busy + t_wait, 1e-9),
+    }
+
+
+def resume_step(cfg: RootConfig, run_dir: Path) -> tuple[int, checkpoint.TrainingState | None]:
+    if not cfg.train.resume:
+        return 0, None
+    path = checkpoint.latest(run_dir / "checkpoints")
+    if path is None:
+        get_logger().info("train.resume=true but no complete checkpoint in %s: starting at step 0", run_dir)
+        return 0, None
+    state = checkpoint.load(path)
+    get_logger().info("resuming from %s (step %d)", path, state.step)
+    return state.step, state

@@ -1,0 +1,68 @@
+"""Roles, routing and process groups.
+
+Routing is a pure function of the global micro-batch index m and the topology, so every
+rank knows who produces and who consumes each micro-batch without talking, and everyone
+walks m in increasing order (no deadlock: a rank only ever waits on a smaller m, or on the
+same step's all-reduce whose inputs all have smaller m than anything it holds back).
+
+Optimizer step s consumes micro-batches [s*A*D, (s+1)*A*D): drafter d takes the A
+consecutive ones starting at s*A*D + d*A. The target that produces m is m mod T. Neither
+choice changes which samples form a step, so the training math is the same for any T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Role(str, Enum):
+    TARGET = "target"
+    DRAFTER = "drafter"
+
+
+@dataclass(frozen=True)
+class Topology:
+    targets: int
+    drafters: int
+    grad_accum: int
+
+    @property
+    def world_size(self) -> int:
+        return self.targets + self.drafters
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return self.drafters * self.grad_accum
+
+    def role_of(self, rank: int) -> Role:
+        return Role.TARGET if rank < self.targets else Role.DRAFTER
+
+    def target_rank(self, m: int) -> int:
+        """Global rank of the target that produces micro-batch m."""
+        return m % self.targets
+
+    def drafter_index(self, m: int) -> int:
+        """Index (0..D-1) among drafters of the one that consumes micro-batch m."""
+        return (m % self.micro_batches_per_step) // self.grad_accum
+
+    def drafter_rank(self, m: int) -> int:
+        return self.targets + self.drafter_index(m)
+
+    def micro_batches_of_drafter(self, drafter_index: int, step: int) -> range:
+        """The micro-batch indices drafter `drafter_index` consumes in optimizer step `step`."""
+        start = step * self.micro_batches_per_step + drafter_index * self.grad_accum
+        return range(start, start + self.grad_accum)
+
+    def micro_batches_of_target(self, target_rank: int, start: int, stop: int) -> range:
+        """The indices in [start, stop) that target `target_rank` produces, in increasing order."""
+        first = start + (target_rank - start) % self.targets
+        return range(first, stop, self.targets)
+
+    def end_of_data_indices(self, total: int) -> dict[int, int]:
+        """For each drafter index, the index m >= total whose header tells it the data ended.
+
+        `total` is a multiple of micro_batches_per_step (whole steps), so drafter d's next
+        index would be total + d*A; the target that would produce it sends the flag.
+        """
+        return {d: total + d * self.grad_accum for d in range(self.drafters)}

@@ -1,0 +1,134 @@
+"""Entry point: `torchrun ... -m dflash_mp.train [overrides]`, or `python -m dflash_mp.train`.
+
+Under torchrun every process reads the config, takes its role from its global rank and
+runs it. Started without torchrun (plain python, `make train`, a Hydra sweep with -m),
+it launches one local torchrun job per config through dflash_mp.launch and waits.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from dflash_mp.config import ConfigError, register_configs, to_dataclass, validate
+from dflash_mp.logs import append_job_log
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+EXIT_CONFIG_ERROR = 2
+
+register_configs()
+
+
+def run_rank(dict_cfg: DictConfig) -> None:
+    """One torchrun worker: set up, run the role, tear down."""
+    import torch.distributed as dist
+
+    from dflash_mp.distributed import env_ranks, init_job, shared_run_dir
+    from dflash_mp.topology import Topology
+
+    cfg = to_dataclass(dict_cfg)
+    rank, _, world_size = env_ranks()
+    try:
+        validate(cfg, world_size=world_size)
+    except ConfigError as e:
+        if rank == 0:
+            print(f"dflash_mp: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+
+    topology = Topology(cfg.topology.targets, cfg.topology.drafters, cfg.train.grad_accum)
+    job = init_job(topology, cfg.train.device)
+    run_dir = Path(shared_run_dir(cfg.run_dir, cfg.name, job.meta_group))
+    try:
+        _run_role(cfg, dict_cfg, job, run_dir)
+    except BaseException as e:
+        append_job_log(run_dir, f"rank {job.rank} ({job.role.value}) failed: {type(e).__name__}: {e}")
+        raise
+    dist.barrier(group=job.meta_group)
+    dist.destroy_process_group()
+    if job.rank == 0:
+        append_job_log(run_dir, f"finished: {run_dir}")
+
+
+def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
+    from dflash_mp import checkpoint
+    from dflash_mp.data import JsonlIndex
+    from dflash_mp.distributed import broadcast_int
+    from dflash_mp.logs import setup_rank_logging
+    from dflash_mp.metrics import MetricsLogger
+    from dflash_mp.roles import resume_step, run_drafter, run_target, total_steps
+    from dflash_mp.topology import Role
+    from dflash_mp.trainer import DrafterTrainer, resolve_precision
+
+    log = setup_rank_logging(run_dir, job.rank, job.role.value, console=job.is_first_drafter)
+    if job.rank == 0:
+        append_job_log(run_dir, f"started: world {job.world_size} = {job.topology.targets} target(s) + "
+                       f"{job.topology.drafters} drafter(s) on {job.device.type}")
+        config_path = run_dir / "config.yaml"
+        if not config_path.exists():  # written once; a resumed job keeps the original
+            OmegaConf.save(dict_cfg, config_path, resolve=True)
+    log.info("role %s on %s, run_dir %s", job.role.value, job.device, run_dir)
+
+    index = JsonlIndex(list(cfg.data.train_files))
+    steps = total_steps(cfg, len(index), job.topology)
+    first_drafter = job.topology.targets
+    state = None
+    if job.is_first_drafter:
+        start_step, state = resume_step(cfg, run_dir)
+    start_step = broadcast_int(start_step if job.is_first_drafter else 0, first_drafter, job.meta_group)
+    dtype, _, _ = resolve_precision(cfg, job.device)
+
+    if job.role is Role.TARGET:
+        run_target(cfg, job, start_step, steps, index, dtype)
+        return
+
+    trainer = DrafterTrainer(cfg, job.device, steps, group=job.drafter_group)
+    if start_step > 0:
+        trainer.load_training_state(state if state is not None else resume_step(cfg, run_dir)[1])
+    metrics = None
+    if job.is_first_drafter:
+        metrics = MetricsLogger(run_dir, steps, start_step, cfg.logger, OmegaConf.to_container(dict_cfg, resolve=True))
+        log.info("training %d steps from step %d", steps, start_step)
+
+    def on_step(record: dict) -> None:
+        if metrics is None:
+            return
+        metrics.log(record)
+        every = cfg.train.checkpoint_every
+        if (every and record["step"] % every == 0) or record["step"] == steps:
+            checkpoint.save(run_dir / "checkpoints", trainer.training_state(), cfg.train.keep_checkpoints)
+
+    run_drafter(cfg, job, trainer, start_step, steps, on_step)
+    if metrics is not None:
+        metrics.close()
+        if cfg.train.export:
+            from dflash_mp.export import export_drafter
+
+            path = export_drafter(trainer.drafter, run_dir / "export")
+            log.info("exported the drafter to %s", path)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
+def main(dict_cfg: DictConfig) -> int:
+    from dflash_mp.distributed import under_torchrun
+
+    if under_torchrun():
+        run_rank(dict_cfg)
+        return 0
+    from dflash_mp.launch import launch_from_hydra
+
+    return launch_from_hydra(dict_cfg)
+
+
+def entry() -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    # @record writes this rank's traceback to torchrun's error file, so the job's log
+    # names the failing rank and its root cause.
+    record(main)()
+
+
+if __name__ == "__main__":
+    entry()

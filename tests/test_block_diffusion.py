@@ -1,0 +1,425 @@
+"""Checks of the DFlash training math against slow, obviously-correct references."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
+
+from dflash_mp.block_diffusion import (
+    block_inputs,
+    block_labels,
+    block_mask_mod,
+    chunked_lm_head_loss,
+    context_positions,
+    decay_weighted_ce,
+    dense_block_mask,
+    drafter_loss,
+    flex_block_mask,
+    per_position_accuracy,
+    sample_anchors,
+)
+
+VOCAB, HIDDEN, NUM_FEATURE_LAYERS, BLOCK, MASK_ID = 50, 16, 2, 4, 49
+
+COMPILED_FLEX_ATTENTION = torch.compile(flex_attention)
+
+# flex_attention in eager mode (CPU) warns that it is unfused; that is expected in these tests.
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def make_sequences(lengths: list[int], seq_len: int, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Right-padded ids and a loss mask with a prompt, then response/non-response stretches."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB - 1, (len(lengths), seq_len), generator=generator)
+    loss_mask = torch.zeros(len(lengths), seq_len, dtype=torch.uint8)
+    for row, length in enumerate(lengths):
+        loss_mask[row, length // 3 : length] = 1
+        loss_mask[row, length // 2 : length // 2 + 2] = 0  # a second turn's user tokens
+        input_ids[row, length:] = 0
+    return input_ids, loss_mask, torch.tensor(lengths)
+
+
+def brute_force_mask(anchors: Tensor, context_len: int, block_size: int) -> Tensor:
+    batch, num_anchors = anchors.shape
+    num_queries = num_anchors * block_size
+    mask = torch.zeros(batch, 1, num_queries, context_len + num_queries, dtype=torch.bool)
+    for b in range(batch):
+        for q in range(num_queries):
+            for kv in range(context_len + num_queries):
+                block = q // block_size
+                if kv < context_len:
+                    mask[b, 0, q, kv] = kv < int(anchors[b, block])
+                else:
+                    mask[b, 0, q, kv] = (kv - context_len) // block_size == block
+    return mask
+
+
+def random_anchors(batch: int, num_anchors: int, context_len: int, seed: int = 0) -> Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    anchors = torch.randint(0, context_len - 1, (batch, num_anchors), generator=generator).sort(-1).values
+    anchors[:, -2:] = 0  # invalid slots
+    return anchors
+
+
+# ----------------------------------------------------------------------------- anchors
+
+
+def test_anchors_depend_only_on_seed_epoch_and_sample() -> None:
+    input_ids, loss_mask, lengths = make_sequences([40, 33, 25], seq_len=40)
+    ids = torch.tensor([10, 11, 12])
+    anchors, valid = sample_anchors(loss_mask, lengths, ids, epoch=3, seed=7, num_anchors=6)
+    again, _ = sample_anchors(loss_mask, lengths, ids, epoch=3, seed=7, num_anchors=6)
+    assert torch.equal(anchors, again)
+    # Sample 12 and 10 again, in another order, another batch width (more padding).
+    regrouped_mask = F.pad(loss_mask[[2, 0]], (0, 9))
+    regrouped, regrouped_valid = sample_anchors(
+        regrouped_mask, lengths[[2, 0]], ids[[2, 0]], epoch=3, seed=7, num_anchors=6
+    )
+    assert torch.equal(regrouped, anchors[[2, 0]])
+    assert torch.equal(regrouped_valid, valid[[2, 0]])
+    next_epoch, _ = sample_anchors(loss_mask, lengths, ids, epoch=4, seed=7, num_anchors=6)
+    other_seed, _ = sample_anchors(loss_mask, lengths, ids, epoch=3, seed=8, num_anchors=6)
+    assert not torch.equal(next_epoch, anchors)
+    assert not torch.equal(other_seed, anchors)
+
+
+def test_anchors_are_eligible_sorted_distinct_and_as_many_as_possible() -> None:
+    input_ids, loss_mask, lengths = make_sequences([40, 12, 30], seq_len=40)
+    loss_mask[2] = 0  # a sequence with no response: no anchors at all
+    anchors, valid = sample_anchors(
+        loss_mask, lengths, torch.tensor([0, 1, 2]), epoch=0, seed=0, num_anchors=8
+    )
+    assert anchors.shape == valid.shape == (3, 8)
+    for row in range(3):
+        length = int(lengths[row])
+        eligible = {p for p in range(length) if loss_mask[row, p] and p >= 1 and p + 1 < length}
+        count = int(valid[row].sum())
+        assert count == min(8, len(eligible))
+        assert valid[row, :count].all() and not valid[row, count:].any()
+        chosen = anchors[row, :count].tolist()
+        assert chosen == sorted(set(chosen))
+        assert set(chosen) <= eligible
+        assert (anchors[row, count:] == 0).all()
+    assert 0 < int(valid[1].sum()) < 8  # the short sequence really had fewer eligible than N
+
+
+def test_anchors_cover_every_eligible_position_across_epochs() -> None:
+    _, loss_mask, lengths = make_sequences([40], seq_len=40)
+    eligible = {p for p in range(40) if loss_mask[0, p] and 1 <= p < 39}
+    seen: set[int] = set()
+    for epoch in range(60):
+        anchors, valid = sample_anchors(loss_mask, lengths, torch.tensor([5]), epoch, seed=1, num_anchors=4)
+        seen |= set(anchors[valid].tolist())
+    assert seen == eligible
+
+
+# ----------------------------------------------------------------------------- blocks and labels
+
+
+def test_block_inputs_put_anchor_token_then_masks_at_true_positions() -> None:
+    input_ids, _, _ = make_sequences([20, 20], seq_len=20)
+    anchors = torch.tensor([[3, 9, 0], [1, 2, 17]])
+    block_ids, block_positions = block_inputs(input_ids, anchors, BLOCK, MASK_ID)
+    assert block_ids.shape == block_positions.shape == (2, 3 * BLOCK)
+    for b in range(2):
+        for n in range(3):
+            for k in range(BLOCK):
+                expected_id = int(input_ids[b, anchors[b, n]]) if k == 0 else MASK_ID
+                assert block_ids[b, n * BLOCK + k] == expected_id
+                assert block_positions[b, n * BLOCK + k] == anchors[b, n] + k
+    assert torch.equal(context_positions(2, 5), torch.arange(5).expand(2, 5))
+
+
+def test_block_labels_match_loop_reference() -> None:
+    input_ids, loss_mask, lengths = make_sequences([30, 21], seq_len=30)
+    anchors, valid = sample_anchors(loss_mask, lengths, torch.tensor([3, 4]), epoch=0, seed=0, num_anchors=12)
+    gamma = 2.5
+    labels, weights = block_labels(input_ids, loss_mask, lengths, anchors, valid, BLOCK, gamma)
+    assert labels.shape == weights.shape == (2, 12, BLOCK)
+    assert labels.min() >= 0 and labels.max() < VOCAB
+    for b in range(2):
+        for n in range(12):
+            for k in range(BLOCK):
+                position = int(anchors[b, n]) + k
+                scored = (
+                    bool(valid[b, n]) and k >= 1 and position < lengths[b] and bool(loss_mask[b, position])
+                )
+                expected = math.exp(-(k - 1) / gamma) if scored else 0.0
+                assert weights[b, n, k].item() == pytest.approx(expected)
+                if scored:
+                    assert labels[b, n, k] == input_ids[b, position]  # token at anchor+k, not anchor+k+1
+    assert (weights[~valid] == 0).all() and (weights[..., 0] == 0).all()
+    assert (weights > 0).any() and (weights[..., 1:] == 0).any()  # both branches exercised
+
+
+# ----------------------------------------------------------------------------- mask
+
+
+def test_dense_mask_matches_brute_force() -> None:
+    anchors = random_anchors(batch=2, num_anchors=6, context_len=20)
+    mask = dense_block_mask(anchors, context_len=20, block_size=BLOCK)
+    assert mask.dtype == torch.bool and mask.shape == (2, 1, 6 * BLOCK, 20 + 6 * BLOCK)
+    assert torch.equal(mask, brute_force_mask(anchors, 20, BLOCK))
+    assert mask.any(-1).all()  # no empty row, invalid anchors included: no NaN in softmax
+
+
+def test_flex_mask_matches_dense_mask() -> None:
+    anchors = random_anchors(batch=2, num_anchors=6, context_len=20)
+    mask_mod = block_mask_mod(anchors, 20, BLOCK)
+    # flex evaluates mask_mod under vmap, one scalar index at a time.
+    assert torch.equal(
+        create_mask(mask_mod, 2, 1, 6 * BLOCK, 20 + 6 * BLOCK), brute_force_mask(anchors, 20, BLOCK)
+    )
+    # At the BlockMask's tile granularity (128 x 128): a tile is listed iff any pair in it attends.
+    anchors = random_anchors(batch=2, num_anchors=40, context_len=300, seed=1)
+    dense = dense_block_mask(anchors, 300, 16)
+    block_mask = flex_block_mask(anchors, 300, 16)
+    q_tiles, kv_tiles = math.ceil(dense.shape[2] / 128), math.ceil(dense.shape[3] / 128)
+    padded = F.pad(dense, (0, kv_tiles * 128 - dense.shape[3], 0, q_tiles * 128 - dense.shape[2]))
+    tiles = padded.view(2, 1, q_tiles, 128, kv_tiles, 128).any(5).any(3)
+    assert torch.equal(block_mask.to_dense().bool(), tiles)
+
+
+def attention_inputs(
+    batch: int, heads: int, num_queries: int, num_keys: int, device: str = "cpu"
+) -> list[Tensor]:
+    generator = torch.Generator(device).manual_seed(0)
+    return [
+        torch.randn(batch, heads, length, 32, generator=generator, device=device)
+        for length in (num_queries, num_keys, num_keys)
+    ]
+
+
+def test_flex_attention_matches_sdpa_on_cpu_forward() -> None:
+    anchors = random_anchors(batch=2, num_anchors=10, context_len=50)
+    query, key, value = attention_inputs(2, 2, 10 * BLOCK, 50 + 10 * BLOCK)
+    flex_out = flex_attention(query, key, value, block_mask=flex_block_mask(anchors, 50, BLOCK))
+    sdpa_out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=dense_block_mask(anchors, 50, BLOCK)
+    )
+    torch.testing.assert_close(flex_out, sdpa_out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_flex_matches_sdpa_forward_and_backward_on_cuda(dtype: torch.dtype) -> None:
+    context_len, num_anchors, block_size = 300, 32, 16
+    anchors = random_anchors(2, num_anchors, context_len).cuda()
+    inputs = attention_inputs(2, 4, num_anchors * block_size, context_len + num_anchors * block_size, "cuda")
+    reference = [x.clone().requires_grad_() for x in inputs]  # fp32 SDPA is the reference for both dtypes
+    tested = [x.to(dtype).requires_grad_() for x in inputs]
+    grad_out = torch.randn_like(inputs[0])
+    sdpa_out = F.scaled_dot_product_attention(
+        *reference, attn_mask=dense_block_mask(anchors, context_len, block_size)
+    )
+    sdpa_out.backward(grad_out)
+    flex_out = COMPILED_FLEX_ATTENTION(*tested, block_mask=flex_block_mask(anchors, context_len, block_size))
+    flex_out.backward(grad_out.to(dtype))
+    tolerance = {"atol": 2e-4, "rtol": 2e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(flex_out.float(), sdpa_out, **tolerance)
+    for flex_input, sdpa_input in zip(tested, reference, strict=True):
+        torch.testing.assert_close(flex_input.grad.float(), sdpa_input.grad, **tolerance)
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def loss_problem(seed: int = 0, requires_grad: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """hidden [2, 5*BLOCK, H], head [V, H], labels/weights [2, 5, BLOCK] with real zero weights."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 5 * BLOCK, HIDDEN, generator=generator, requires_grad=requires_grad)
+    head = torch.randn(VOCAB, HIDDEN, generator=generator, requires_grad=requires_grad)
+    labels = torch.randint(0, VOCAB, (2, 5, BLOCK), generator=generator)
+    weights = torch.rand(2, 5, BLOCK, generator=generator) * (
+        torch.rand(2, 5, BLOCK, generator=generator) > 0.3
+    )
+    weights[..., 0] = 0
+    return hidden, head, labels, weights
+
+
+def test_decay_weighted_ce_matches_loop_reference() -> None:
+    hidden, head, labels, weights = loss_problem(requires_grad=False)
+    logits = (hidden @ head.T).view(2, 5, BLOCK, VOCAB)
+    logits[0, 0, 1, int(labels[0, 0, 1])] += 100.0  # force at least one correct prediction
+    weights[0, 0, 1] = 1.0
+    loss, stats = decay_weighted_ce(logits, labels, weights)
+    total, weight_sum = 0.0, 0.0
+    correct, count = [0] * BLOCK, [0] * BLOCK
+    for b, n, k in torch.cartesian_prod(torch.arange(2), torch.arange(5), torch.arange(BLOCK)).tolist():
+        w = float(weights[b, n, k])
+        row = logits[b, n, k].double()
+        total += w * float(torch.logsumexp(row, 0) - row[labels[b, n, k]])
+        weight_sum += w
+        if w > 0:
+            count[k] += 1
+            correct[k] += int(row.argmax() == labels[b, n, k])
+    assert loss.item() == pytest.approx(total / weight_sum, rel=1e-5)
+    assert stats["correct"].tolist() == correct and stats["count"].tolist() == count
+    assert sum(correct) > 0
+    assert stats["weight_sum"].item() == pytest.approx(weight_sum, rel=1e-6)
+    accuracy = per_position_accuracy(stats["correct"], stats["count"])
+    assert accuracy == pytest.approx([c / max(n, 1) for c, n in zip(correct[1:], count[1:], strict=True)])
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 4096])
+def test_chunked_loss_matches_unchunked(chunk_tokens: int) -> None:
+    hidden, head, labels, weights = loss_problem()
+    loss, stats = decay_weighted_ce((hidden @ head.T).view(2, 5, BLOCK, VOCAB), labels, weights)
+    hidden_grad, head_grad = torch.autograd.grad(loss, (hidden, head))
+    chunked, chunked_stats = chunked_lm_head_loss(hidden, head, labels, weights, chunk_tokens=chunk_tokens)
+    chunked_hidden_grad, chunked_head_grad = torch.autograd.grad(chunked, (hidden, head))
+    torch.testing.assert_close(chunked, loss)
+    for name in ("correct", "count", "weight_sum"):
+        torch.testing.assert_close(chunked_stats[name], stats[name])
+    torch.testing.assert_close(chunked_hidden_grad, hidden_grad)
+    torch.testing.assert_close(chunked_head_grad, head_grad)
+    assert (chunked_hidden_grad.view(2, 5, BLOCK, HIDDEN)[weights == 0] == 0).all()
+
+
+def test_zero_weight_batch_gives_zero_loss_and_a_working_backward() -> None:
+    hidden, head, labels, weights = loss_problem()
+    weights.zero_()
+    for loss, stats in (
+        decay_weighted_ce((hidden @ head.T).view(2, 5, BLOCK, VOCAB), labels, weights),
+        chunked_lm_head_loss(hidden, head, labels, weights),
+    ):
+        assert loss.item() == 0.0
+        hidden_grad, head_grad = torch.autograd.grad(loss, (hidden, head), allow_unused=False)
+        assert torch.isfinite(hidden_grad).all() and (hidden_grad == 0).all() and (head_grad == 0).all()
+        assert stats["count"].sum() == 0
+        assert per_position_accuracy(stats["correct"], stats["count"]) == [0.0] * (BLOCK - 1)
+
+
+# ----------------------------------------------------------------------------- drafter_loss
+
+
+class StandInDrafter(nn.Module):
+    """One attention layer with the drafter's forward signature; keeps its last output for tests."""
+
+    def __init__(
+        self, block_size: int = BLOCK, mask_token_id: int = MASK_ID, max_positions: int = 128
+    ) -> None:
+        super().__init__()
+        self.block_size, self.mask_token_id = block_size, mask_token_id
+        self.fc = nn.Linear(NUM_FEATURE_LAYERS * HIDDEN, HIDDEN, bias=False)
+        self.position = nn.Embedding(max_positions, HIDDEN)
+        self.q, self.k, self.v = (nn.Linear(HIDDEN, HIDDEN) for _ in range(3))
+        self.last_output: Tensor | None = None
+
+    def forward(
+        self,
+        context_features: Tensor,
+        block_embeddings: Tensor,
+        context_positions: Tensor,
+        block_positions: Tensor,
+        mask: Tensor | BlockMask,
+    ) -> Tensor:
+        context = self.fc(context_features) + self.position(context_positions)
+        blocks = block_embeddings + self.position(block_positions)
+        keys_in = torch.cat([context, blocks], dim=1)
+        heads = [
+            x.unflatten(-1, (2, HIDDEN // 2)).transpose(1, 2)
+            for x in (self.q(blocks), self.k(keys_in), self.v(keys_in))
+        ]
+        if isinstance(mask, BlockMask):
+            # Eager flex_attention is a forward-only reference; CUDA runs the compiled kernel.
+            attend = COMPILED_FLEX_ATTENTION if blocks.is_cuda else flex_attention
+            attended = attend(*heads, block_mask=mask)
+        else:
+            attended = F.scaled_dot_product_attention(*heads, attn_mask=mask)
+        self.last_output = blocks + attended.transpose(1, 2).flatten(2)
+        return self.last_output
+
+
+def drafter_problem(seed: int = 0) -> tuple[StandInDrafter, Tensor, Tensor, SimpleNamespace]:
+    torch.manual_seed(seed)
+    input_ids, loss_mask, lengths = make_sequences([40, 31], seq_len=40, seed=seed)
+    batch = SimpleNamespace(
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        lengths=lengths,
+        sample_ids=torch.tensor([100, 101]),
+        epoch=2,
+        hidden_states=torch.randn(2, 40, NUM_FEATURE_LAYERS * HIDDEN, requires_grad=True),
+    )
+    return StandInDrafter(), torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN), batch
+
+
+LOSS_ARGS = {"seed": 3, "num_anchors": 6, "gamma": 7.0}
+
+
+def test_drafter_loss_sees_no_context_at_or_after_any_anchor() -> None:
+    drafter, embed, head, batch = drafter_problem()
+    loss, stats = drafter_loss(drafter, embed, head, batch, attention="sdpa", **LOSS_ARGS)
+    (feature_grad,) = torch.autograd.grad(loss, batch.hidden_states)
+    anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, batch.sample_ids, batch.epoch, 3, 6)
+    assert stats["count"].sum() > 0
+    for row in range(2):
+        last_anchor = int(anchors[row][valid[row]].max())
+        # The last block sees features < its anchor, nothing sees the anchor's own features or later.
+        assert (feature_grad[row, last_anchor:] == 0).all()
+        assert (feature_grad[row, last_anchor - 1] != 0).any()
+
+
+def test_drafter_blocks_do_not_leak_into_each_other() -> None:
+    drafter, embed, head, batch = drafter_problem()
+    anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, batch.sample_ids, batch.epoch, 3, 6)
+    assert valid[0, :3].all()
+    earlier, block, later = (slice(n * BLOCK, (n + 1) * BLOCK) for n in range(3))  # blocks 0, 1, 2 of row 0
+    anchor = int(anchors[0, 1])
+    with torch.no_grad():
+        drafter_loss(drafter, embed, head, batch, attention="sdpa", **LOSS_ARGS)
+        reference = drafter.last_output.clone()
+
+        # The future: target features at and after the anchor, tokens after it (later blocks' inputs).
+        future = SimpleNamespace(**vars(batch))
+        future.hidden_states = batch.hidden_states.clone()
+        future.hidden_states[0, anchor:] += 1.0
+        future.input_ids = batch.input_ids.clone()
+        future.input_ids[0, anchor + 1 :] = (batch.input_ids[0, anchor + 1 :] + 1) % (VOCAB - 1)
+        drafter_loss(drafter, embed, head, future, attention="sdpa", **LOSS_ARGS)
+        torch.testing.assert_close(drafter.last_output[0, block], reference[0, block])
+        assert not torch.allclose(drafter.last_output[0, later], reference[0, later], atol=1e-3)
+
+        # Another block's own token (an earlier anchor's), its context features unchanged.
+        other = SimpleNamespace(**vars(batch))
+        other.input_ids = batch.input_ids.clone()
+        other.input_ids[0, anchors[0, 0]] = (batch.input_ids[0, anchors[0, 0]] + 1) % (VOCAB - 1)
+        drafter_loss(drafter, embed, head, other, attention="sdpa", **LOSS_ARGS)
+        torch.testing.assert_close(drafter.last_output[0, block], reference[0, block])
+        assert not torch.allclose(drafter.last_output[0, earlier], reference[0, earlier], atol=1e-3)
+
+
+def test_drafter_loss_flex_matches_sdpa_on_cpu_forward() -> None:
+    drafter, embed, head, batch = drafter_problem(seed=1)
+    with torch.no_grad():
+        sdpa_loss, sdpa_stats = drafter_loss(drafter, embed, head, batch, attention="sdpa", **LOSS_ARGS)
+        flex_loss, flex_stats = drafter_loss(drafter, embed, head, batch, attention="flex", **LOSS_ARGS)
+    torch.testing.assert_close(flex_loss, sdpa_loss)
+    assert torch.equal(flex_stats["count"], sdpa_stats["count"])
+    with pytest.raises(ValueError, match="attention"):
+        drafter_loss(drafter, embed, head, batch, attention="auto", **LOSS_ARGS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_drafter_loss_flex_matches_sdpa_on_cuda_with_gradients() -> None:
+    drafter, embed, head, batch = drafter_problem(seed=2)
+    drafter.cuda()
+    batch = SimpleNamespace(
+        **{k: v.detach().cuda() if isinstance(v, Tensor) else v for k, v in vars(batch).items()}
+    )
+    results = {}
+    for attention in ("sdpa", "flex"):
+        loss, _ = drafter_loss(drafter, embed.cuda(), head.cuda(), batch, attention=attention, **LOSS_ARGS)
+        results[attention] = (loss, torch.autograd.grad(loss, list(drafter.parameters())))
+    torch.testing.assert_close(results["flex"][0], results["sdpa"][0], atol=1e-4, rtol=1e-4)
+    for flex_grad, sdpa_grad in zip(results["flex"][1], results["sdpa"][1], strict=True):
+        torch.testing.assert_close(flex_grad, sdpa_grad, atol=1e-4, rtol=1e-4)
