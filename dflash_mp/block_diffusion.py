@@ -126,7 +126,7 @@ def block_labels(
     flat_positions = label_positions.clamp(max=seq_len - 1).flatten(1)
     labels = input_ids.gather(1, flat_positions).view_as(label_positions)
     is_response = loss_mask.bool().gather(1, flat_positions).view_as(label_positions)
-    decay = torch.exp(-(offsets).float() / gamma)
+    decay = torch.exp(-(offsets - 1).float() / gamma)
     decay[0] = 0.0
     weights = decay * (valid[:, :, None] & in_range & is_response).float()
     return labels, weights
@@ -167,19 +167,23 @@ def dense_block_mask(anchors: Tensor, context_len: int, block_size: int) -> Tens
     )
 
 
+# Compiled, mask creation evaluates mask_mod tile by tile instead of materialising [B,Q,S+Q]
+# (the torch docs' recommendation; create_block_mask's `_compile` flag is deprecated).
+_compiled_create_block_mask = torch.compile(create_block_mask)
+
+
 def flex_block_mask(anchors: Tensor, context_len: int, block_size: int) -> BlockMask:
-    """The block-sparse mask as a flex_attention BlockMask (heads broadcast)."""
+    """The block-sparse mask as a flex_attention BlockMask (heads broadcast); compiled on GPU."""
     batch, num_anchors = anchors.shape
     num_queries = num_anchors * block_size
-    return create_block_mask(
+    create = _compiled_create_block_mask if anchors.is_cuda else create_block_mask
+    return create(
         block_mask_mod(anchors, context_len, block_size),
         batch,
         None,
         num_queries,
         context_len + num_queries,
         device=anchors.device,
-        # Compiled creation avoids materialising the [B,Q,S+Q] mask on GPU; eager on CPU.
-        _compile=anchors.device.type == "cuda",
     )
 
 

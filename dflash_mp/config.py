@@ -89,7 +89,7 @@ class LoggerConfig:
     # wandb mode: offline (default, no network), online, or disabled.
     mode: str = "offline"
     # Print a progress line every this many optimizer steps on the first drafter rank.
-    progress_every: int = 1
+    progress_every: int = 10
 
 
 @dataclass
@@ -159,9 +159,23 @@ class RootConfig:
     name: str = "dflash"
 
 
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
 def register_configs() -> None:
     """Register the schemas so conf/*.yaml are type-checked when Hydra composes them."""
     ConfigStore.instance().store(name="schema", node=RootConfig)
+
+
+register_configs()
+
+
+def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """conf/ composed with `overrides`, outside a Hydra app (tests, eval, benchmarks)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose("config", overrides=list(overrides))
 
 
 if not OmegaConf.has_resolver("embedded"):
@@ -263,7 +277,11 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
     if not d.train_files:
         problems.append("data.train_files is empty: give at least one JSONL file")
     for i, path in enumerate(list(d.train_files) + list(d.eval_files)):
-        key = f"data.train_files[{i}]" if i < len(d.train_files) else f"data.eval_files[{i - len(d.train_files)}]"
+        key = (
+            f"data.train_files[{i}]"
+            if i < len(d.train_files)
+            else f"data.eval_files[{i - len(d.train_files)}]"
+        )
         if not os.path.isfile(path):
             problems.append(f"{key}={path!r}: file does not exist")
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jinja2 import TemplateError
 
 
 class DataError(Exception):
@@ -103,33 +104,42 @@ class JsonlIndex:
 # Private-use characters: no real content contains them and templates pass them through untouched.
 _PLACEHOLDER = "\ue000{}\ue001"
 _PLACEHOLDER_RE = re.compile("\ue000(\\d+)\ue001")
+_UNALIGNED = (
+    "cannot locate the assistant contents in the chat template's rendering (the template rewrites "
+    "them beyond trimming, e.g. parses <think> blocks); put reasoning in a reasoning_content field"
+)
 
 
 def _assistant_spans(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character span of each assistant content in it.
 
-    Rendering once with placeholder contents tells where the template puts each message, for any
-    template (real Qwen3 templates have no {% generation %} markers, and their rendering of a
-    prefix of a conversation is not a prefix of the whole: the <think> block moves).
+    Rendering once more with placeholder contents gives the template's own text around every
+    message, for any template: real Qwen3 templates have no {% generation %} markers, trim
+    contents, and render a prefix of a conversation differently from the whole (the <think>
+    block moves), so prefix rendering cannot be trusted.
     """
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     placeholders = [{**m, "content": _PLACEHOLDER.format(i)} for i, m in enumerate(messages)]
-    skeleton = tokenizer.apply_chat_template(placeholders, tokenize=False)
-    parts, spans, position = [], [], 0
     # re.split with a group alternates: template text, message index, template text, ...
-    for k, part in enumerate(_PLACEHOLDER_RE.split(skeleton)):
-        if k % 2 == 1:
-            message = messages[int(part)]
-            part = message["content"]
-            if message["role"] == "assistant":
-                spans.append((position, position + len(part)))
-        parts.append(part)
-        position += len(part)
-    if "".join(parts) != text:
-        raise ValueError(
-            "the chat template rewrites message contents (e.g. <think> parsing), so assistant tokens "
-            "cannot be located; store such contents in the form the template renders verbatim"
-        )
+    pieces = _PLACEHOLDER_RE.split(tokenizer.apply_chat_template(placeholders, tokenize=False))
+    template_texts, message_indices = pieces[0::2], [int(i) for i in pieces[1::2]]
+    if not (text.startswith(template_texts[0]) and text.endswith(template_texts[-1])):
+        raise ValueError(_UNALIGNED)
+    spans, position = [], len(template_texts[0])
+    for k, (i, following) in enumerate(zip(message_indices, template_texts[1:], strict=True)):
+        content = messages[i]["content"]
+        if text.startswith(content + following, position):
+            end = position + len(content)
+        elif k == len(message_indices) - 1:
+            end = len(text) - len(following)
+        else:
+            # The template changed the content (e.g. trimmed it): it ends where the template resumes.
+            end = text.find(following, position) if following else -1
+        if end < position:
+            raise ValueError(_UNALIGNED)
+        if messages[i]["role"] == "assistant":
+            spans.append((position, end))
+        position = end + len(following)
     return text, spans
 
 
@@ -201,7 +211,7 @@ def parse_record(
         raise BadRecord(path, line, f"malformed JSON ({e.msg} at column {e.colno})") from None
     try:
         input_ids, loss_mask = tokenize_chat(tokenizer, _check_messages(record), max_length)
-    except ValueError as e:
+    except (ValueError, TemplateError) as e:  # a template's raise_exception() is a TemplateError
         raise BadRecord(path, line, str(e)) from None
     if not any(loss_mask):
         raise BadRecord(path, line, "no loss tokens (the template rendered no assistant content)")

@@ -26,7 +26,7 @@ from typing import Any
 ASSETS = Path(__file__).resolve().parent / "assets"
 DATA_FILES = ("data/train.jsonl", "data/eval.jsonl")
 # Bump when the build recipe changes; the data digest is appended, so new data gives a new target.
-TARGET_VERSION = "embedded-target-v1"
+TARGET_VERSION = "embedded-target-v2"
 TARGET_SEED = 1234
 DATA_SEED = 20240601
 MAX_TOKENS = 128
@@ -100,6 +100,7 @@ def ensure_target(force: bool = False) -> Path:
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a shared cache must be readable by all
     try:
         build_target(tmp)
         try:
@@ -166,12 +167,16 @@ def build_target(out_dir: Path) -> None:
     generator = torch.Generator().manual_seed(TARGET_SEED)
     # Uniform draws scaled by exact float ops are bitwise identical on every CPU, unlike normal_()
     # whose vectorised transcendental maths depends on the instruction set.
-    half_width = config.initializer_range * 3**0.5
+    # Embedding and head get a larger scale than the layers: token identity then dominates the
+    # residual stream and the logits are peaked, as in a trained LLM, so a drafter has something
+    # to learn from the features and the random target's greedy continuations are varied.
+    std = {"model.embed_tokens.weight": 1.0, "lm_head.weight": 0.3}
     with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
+        for name, param in sorted(model.named_parameters()):
             if param.ndim == 1:  # RMSNorm scales
                 param.fill_(1.0)
             else:
+                half_width = std.get(name, config.initializer_range) * 3**0.5
                 param.copy_((torch.rand(param.shape, generator=generator) * 2 - 1) * half_width)
     model.generation_config.do_sample = False
     model.save_pretrained(out_dir)
@@ -284,15 +289,22 @@ def generate_conversations(count: int, rng: random.Random) -> list[list[dict[str
     return conversations
 
 
-def write_data(num_train: int = 2000, num_eval: int = 64) -> None:
-    """Regenerate assets/data/{train,eval}.jsonl; the same seed always writes the same bytes."""
+def render_data(num_train: int = 2000, num_eval: int = 64) -> dict[str, str]:
+    """The bundled JSONL files' contents by name; the fixed seed always gives the same bytes."""
     rng = random.Random(DATA_SEED)
-    for name, count in zip(DATA_FILES, (num_train, num_eval), strict=True):
+    return {
+        name: "".join(json.dumps({"messages": m}) + "\n" for m in generate_conversations(count, rng))
+        for name, count in zip(DATA_FILES, (num_train, num_eval), strict=True)
+    }
+
+
+def write_data() -> None:
+    """Regenerate assets/data/{train,eval}.jsonl."""
+    for name, text in render_data().items():
         path = ASSETS / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        lines = [json.dumps({"messages": m}) + "\n" for m in generate_conversations(count, rng)]
-        path.write_text("".join(lines))
-        print(f"wrote {len(lines)} conversations to {path}")
+        path.write_text(text)
+        print(f"wrote {text.count(chr(10))} conversations to {path}")
 
 
 def main() -> None:

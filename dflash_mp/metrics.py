@@ -32,7 +32,9 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, total_steps: int, first_step: int, logger_cfg, config: dict) -> None:
+    def __init__(
+        self, run_dir: str | Path, total_steps: int, first_step: int, logger_cfg, config: dict
+    ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         truncate_metrics(self.path, first_step)
         self.file = open(self.path, "a")  # noqa: SIM115 - held open for the run
@@ -69,7 +71,12 @@ class MetricsLogger:
             f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}"
         )
         if sys.stderr.isatty():
-            print("\r" + line, end="" if record["step"] < self.total_steps else "\n", file=sys.stderr, flush=True)
+            print(
+                "\r" + line,
+                end="" if record["step"] < self.total_steps else "\n",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             get_logger().info(line)
 

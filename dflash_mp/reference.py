@@ -10,7 +10,13 @@ import torch
 
 from dflash_mp.config import RootConfig
 from dflash_mp.data import JsonlIndex
-from dflash_mp.roles import features_of, hidden_states_for_drafter, make_feature_extractor, make_reader, total_steps
+from dflash_mp.roles import (
+    features_of,
+    hidden_states_for_drafter,
+    make_feature_extractor,
+    make_reader,
+    total_steps,
+)
 from dflash_mp.topology import Topology
 from dflash_mp.trainer import DrafterTrainer, resolve_precision
 
@@ -31,7 +37,9 @@ def reference_train(cfg: RootConfig, device: torch.device | str = "cpu", on_step
             batch = reader.read(m)
             hidden = hidden_states_for_drafter(extractor, batch, dtype, device)
             bad, bad_before = reader.bad_records - bad_before, reader.bad_records
-            trainer.micro_step(features_of(batch, hidden, bad), last_of_step=m == (step + 1) * cfg.train.grad_accum - 1)
+            trainer.micro_step(
+                features_of(batch, hidden, bad), last_of_step=m == (step + 1) * cfg.train.grad_accum - 1
+            )
         record = trainer.optimizer_step()
         if on_step is not None:
             on_step(record)

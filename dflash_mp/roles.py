@@ -66,7 +66,8 @@ def features_of(batch: MicroBatch, hidden_states: torch.Tensor, bad_records: int
         loss_mask=batch.loss_mask.long(),
         lengths=batch.lengths,
         sample_ids=batch.sample_ids,
-        hidden_states=hidden_states,
+        # The extractor runs under inference_mode; autograd may not save such tensors.
+        hidden_states=hidden_states.clone(),
         bad_records=bad_records,
         nbytes=0,
     )
@@ -74,7 +75,7 @@ def features_of(batch: MicroBatch, hidden_states: torch.Tensor, bad_records: int
 
 def hidden_states_for_drafter(extractor, batch: MicroBatch, dtype: torch.dtype, device: torch.device):
     if batch.input_ids.shape[0] == 0:
-        return torch.empty(0, 0, extractor.feature_size, dtype=dtype, device=device)
+        return torch.empty(0, 0, extractor.hidden_size * len(extractor.layer_ids), dtype=dtype, device=device)
     return extractor(batch.input_ids.to(device)).to(dtype)
 
 
@@ -87,6 +88,7 @@ def run_target(cfg: RootConfig, job: Job, start_step: int, steps: int, index: Js
     start = start_step * topology.micro_batches_per_step
     stop = steps * topology.micro_batches_per_step
     mine = topology.micro_batches_of_target(job.rank, start, stop)
+    feature_size = extractor.hidden_size * len(extractor.layer_ids)
     log.info("producing %d micro-batches in [%d, %d) every %d", len(mine), start, stop, topology.targets)
     bad_before = reader.bad_records
     for m in mine:
@@ -95,7 +97,7 @@ def run_target(cfg: RootConfig, job: Job, start_step: int, steps: int, index: Js
         bad, bad_before = reader.bad_records - bad_before, reader.bad_records
         batch_size, seq_len = batch.input_ids.shape
         # The header goes out before the forward, so the drafter can post its receives early.
-        sender.send_header(dst, m, batch.epoch, batch_size, seq_len, extractor.feature_size, dtype, bad)
+        sender.send_header(dst, m, batch.epoch, batch_size, seq_len, feature_size, dtype, bad)
         hidden = hidden_states_for_drafter(extractor, batch, dtype, job.device)
         tokens = pack_tokens(batch.input_ids, batch.loss_mask, batch.lengths, batch.sample_ids)
         sender.send_tensors(dst, tokens, hidden)

@@ -13,13 +13,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from dflash_mp.config import ConfigError, register_configs, to_dataclass, validate
+from dflash_mp.config import CONF_DIR, ConfigError, to_dataclass, validate
 from dflash_mp.logs import append_job_log
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXIT_CONFIG_ERROR = 2
-
-register_configs()
 
 
 def run_rank(dict_cfg: DictConfig) -> None:
@@ -64,8 +61,11 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
 
     log = setup_rank_logging(run_dir, job.rank, job.role.value, console=job.is_first_drafter)
     if job.rank == 0:
-        append_job_log(run_dir, f"started: world {job.world_size} = {job.topology.targets} target(s) + "
-                       f"{job.topology.drafters} drafter(s) on {job.device.type}")
+        append_job_log(
+            run_dir,
+            f"started: world {job.world_size} = {job.topology.targets} target(s) + "
+            f"{job.topology.drafters} drafter(s) on {job.device.type}",
+        )
         config_path = run_dir / "config.yaml"
         if not config_path.exists():  # written once; a resumed job keeps the original
             OmegaConf.save(dict_cfg, config_path, resolve=True)
@@ -89,7 +89,9 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
         trainer.load_training_state(state if state is not None else resume_step(cfg, run_dir)[1])
     metrics = None
     if job.is_first_drafter:
-        metrics = MetricsLogger(run_dir, steps, start_step, cfg.logger, OmegaConf.to_container(dict_cfg, resolve=True))
+        metrics = MetricsLogger(
+            run_dir, steps, start_step, cfg.logger, OmegaConf.to_container(dict_cfg, resolve=True)
+        )
         log.info("training %d steps from step %d", steps, start_step)
 
     def on_step(record: dict) -> None:
@@ -110,25 +112,21 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
             log.info("exported the drafter to %s", path)
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base=None)
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> int:
     from dflash_mp.distributed import under_torchrun
 
     if under_torchrun():
-        run_rank(dict_cfg)
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        # @record inside Hydra's handler: Hydra turns exceptions into exit(1), so the rank's
+        # traceback must reach torchrun's error file before that.
+        record(run_rank)(dict_cfg)
         return 0
     from dflash_mp.launch import launch_from_hydra
 
     return launch_from_hydra(dict_cfg)
 
 
-def entry() -> None:
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    # @record writes this rank's traceback to torchrun's error file, so the job's log
-    # names the failing rank and its root cause.
-    record(main)()
-
-
 if __name__ == "__main__":
-    entry()
+    main()

@@ -129,7 +129,7 @@ class DrafterTrainer:
         """Forward + backward of one micro-batch; gradients accumulate until the step."""
         accumulation = self.cfg.train.grad_accum
         sync = last_of_step or not isinstance(self.model, nn.parallel.DistributedDataParallel)
-        with (nullcontext() if sync else self.model.no_sync()), self.autocast:
+        with nullcontext() if sync else self.model.no_sync(), self.autocast:
             if batch.num_sequences == 0:
                 # Every record of this micro-batch was skipped as bad: a zero loss that still
                 # touches every parameter, so DDP's all-reduce sees the same buckets on all ranks.
@@ -155,8 +155,8 @@ class DrafterTrainer:
         t.bytes_received += batch.nbytes
         t.bad_records += batch.bad_records
         if stats is not None:
-            t.correct = stats.correct if t.correct is None else t.correct + stats.correct
-            t.count = stats.count if t.count is None else t.count + stats.count
+            t.correct = stats["correct"] if t.correct is None else t.correct + stats["correct"]
+            t.count = stats["count"] if t.count is None else t.count + stats["count"]
 
     def optimizer_step(self, extra: dict | None = None) -> dict:
         """Clip, check finiteness, step AdamW at the scheduled lr; returns the metrics record."""
@@ -209,7 +209,9 @@ class DrafterTrainer:
             "grad_norm": grad_norm,
             "samples_per_s": sequences / elapsed,
             "tokens_per_s": tokens / elapsed,
-            "acc": [c / n if n else 0.0 for c, n in zip(correct.tolist()[1:], count.tolist()[1:], strict=True)],
+            "acc": [
+                c / n if n else 0.0 for c, n in zip(correct.tolist()[1:], count.tolist()[1:], strict=True)
+            ],
             "bytes_received": int(nbytes),
             "bad_records": int(bad),
             "skipped": not finite,

@@ -202,7 +202,9 @@ class Receiver:
         works = []
         if not end:
             works = [
-                dist.irecv(t, src=pending.src, group=self.data_group) for t in (tokens, hidden) if t.numel() > 0
+                dist.irecv(t, src=pending.src, group=self.data_group)
+                for t in (tokens, hidden)
+                if t.numel() > 0
             ]
         input_ids, loss_mask, lengths, sample_ids = unpack_tokens(tokens, seq)
         features = Features(

@@ -25,7 +25,7 @@ from dflash_mp.block_diffusion import (
     sample_anchors,
 )
 
-VOCAB, HIDDEN, NUM_FEATURE_LAYERS, BLOCK, MASK_ID = 50, 16, 2, 4, 49
+VOCAB, HIDDEN, NUM_FEATURE_LAYERS, BLOCK, MASK_ID = 50, 32, 2, 4, 49
 
 COMPILED_FLEX_ATTENTION = torch.compile(flex_attention)
 
@@ -90,13 +90,14 @@ def test_anchors_depend_only_on_seed_epoch_and_sample() -> None:
 
 
 def test_anchors_are_eligible_sorted_distinct_and_as_many_as_possible() -> None:
-    input_ids, loss_mask, lengths = make_sequences([40, 12, 30], seq_len=40)
+    input_ids, loss_mask, lengths = make_sequences([40, 12, 30, 6], seq_len=40)
     loss_mask[2] = 0  # a sequence with no response: no anchors at all
+    loss_mask[3, :6] = 1  # all response: only 1..4 are eligible (0 has no context, 5 nothing to predict)
     anchors, valid = sample_anchors(
-        loss_mask, lengths, torch.tensor([0, 1, 2]), epoch=0, seed=0, num_anchors=8
+        loss_mask, lengths, torch.tensor([0, 1, 2, 3]), epoch=0, seed=0, num_anchors=8
     )
-    assert anchors.shape == valid.shape == (3, 8)
-    for row in range(3):
+    assert anchors.shape == valid.shape == (4, 8)
+    for row in range(4):
         length = int(lengths[row])
         eligible = {p for p in range(length) if loss_mask[row, p] and p >= 1 and p + 1 < length}
         count = int(valid[row].sum())
@@ -107,6 +108,7 @@ def test_anchors_are_eligible_sorted_distinct_and_as_many_as_possible() -> None:
         assert set(chosen) <= eligible
         assert (anchors[row, count:] == 0).all()
     assert 0 < int(valid[1].sum()) < 8  # the short sequence really had fewer eligible than N
+    assert anchors[3, :4].tolist() == [1, 2, 3, 4]
 
 
 def test_anchors_cover_every_eligible_position_across_epochs() -> None:
@@ -137,7 +139,10 @@ def test_block_inputs_put_anchor_token_then_masks_at_true_positions() -> None:
 
 
 def test_block_labels_match_loop_reference() -> None:
-    input_ids, loss_mask, lengths = make_sequences([30, 21], seq_len=30)
+    input_ids, loss_mask, lengths = make_sequences([30, 10], seq_len=30)
+    # All response: 8 eligible anchors for 12 slots, and the invalid slots' anchor 0 would see
+    # response tokens at 1..3 if validity were ignored.
+    loss_mask[1, :10] = 1
     anchors, valid = sample_anchors(loss_mask, lengths, torch.tensor([3, 4]), epoch=0, seed=0, num_anchors=12)
     gamma = 2.5
     labels, weights = block_labels(input_ids, loss_mask, lengths, anchors, valid, BLOCK, gamma)
@@ -154,7 +159,7 @@ def test_block_labels_match_loop_reference() -> None:
                 assert weights[b, n, k].item() == pytest.approx(expected)
                 if scored:
                     assert labels[b, n, k] == input_ids[b, position]  # token at anchor+k, not anchor+k+1
-    assert (weights[~valid] == 0).all() and (weights[..., 0] == 0).all()
+    assert (~valid).any() and (weights[~valid] == 0).all() and (weights[..., 0] == 0).all()
     assert (weights > 0).any() and (weights[..., 1:] == 0).any()  # both branches exercised
 
 
@@ -174,7 +179,8 @@ def test_flex_mask_matches_dense_mask() -> None:
     mask_mod = block_mask_mod(anchors, 20, BLOCK)
     # flex evaluates mask_mod under vmap, one scalar index at a time.
     assert torch.equal(
-        create_mask(mask_mod, 2, 1, 6 * BLOCK, 20 + 6 * BLOCK), brute_force_mask(anchors, 20, BLOCK)
+        create_mask(mask_mod, 2, 1, 6 * BLOCK, 20 + 6 * BLOCK, device="cpu"),
+        brute_force_mask(anchors, 20, BLOCK),
     )
     # At the BlockMask's tile granularity (128 x 128): a tile is listed iff any pair in it attends.
     anchors = random_anchors(batch=2, num_anchors=40, context_len=300, seed=1)

@@ -8,7 +8,9 @@ from dflash_mp import checkpoint
 
 def _state(step: int) -> checkpoint.TrainingState:
     model = {"w": torch.full((3, 3), float(step)), "b": torch.arange(3.0)}
-    return checkpoint.TrainingState(step=step, model=model, optimizer={"state": {}, "param_groups": []}, rng=checkpoint.rng_state())
+    return checkpoint.TrainingState(
+        step=step, model=model, optimizer={"state": {}, "param_groups": []}, rng=checkpoint.rng_state()
+    )
 
 
 def test_round_trip_and_retention(tmp_path):

@@ -13,9 +13,13 @@ def test_every_micro_batch_has_one_producer_and_one_consumer(targets, drafters, 
     topo = Topology(targets, drafters, accum)
     steps = 4
     total = steps * topo.micro_batches_per_step
-    produced = sorted(itertools.chain.from_iterable(topo.micro_batches_of_target(t, 0, total) for t in range(targets)))
+    produced = sorted(
+        itertools.chain.from_iterable(topo.micro_batches_of_target(t, 0, total) for t in range(targets))
+    )
     assert produced == list(range(total))
-    consumed = sorted(m for d in range(drafters) for s in range(steps) for m in topo.micro_batches_of_drafter(d, s))
+    consumed = sorted(
+        m for d in range(drafters) for s in range(steps) for m in topo.micro_batches_of_drafter(d, s)
+    )
     assert consumed == list(range(total))
     for m in range(total):
         assert m in topo.micro_batches_of_target(topo.target_rank(m), 0, total)
@@ -36,7 +40,11 @@ def test_a_step_holds_the_same_micro_batches_whatever_the_split():
 def test_resume_starts_targets_where_the_checkpoint_left():
     topo = Topology(2, 1, 3)
     start, stop = 2 * topo.micro_batches_per_step, 5 * topo.micro_batches_per_step
-    got = sorted(itertools.chain(topo.micro_batches_of_target(0, start, stop), topo.micro_batches_of_target(1, start, stop)))
+    got = sorted(
+        itertools.chain(
+            topo.micro_batches_of_target(0, start, stop), topo.micro_batches_of_target(1, start, stop)
+        )
+    )
     assert got == list(range(start, stop))
 
 
@@ -49,7 +57,8 @@ def _simulate(topo: Topology, steps: int, max_inflight: int) -> bool:
     total = steps * topo.micro_batches_per_step
     end = topo.end_of_data_indices(total)
     producer_queue = {
-        t: list(topo.micro_batches_of_target(t, 0, total)) + sorted(m for m in end.values() if topo.target_rank(m) == t)
+        t: list(topo.micro_batches_of_target(t, 0, total))
+        + sorted(m for m in end.values() if topo.target_rank(m) == t)
         for t in range(topo.targets)
     }
     consumer_queue = {d: list(drafter_indices(topo, d, 0, steps)) for d in range(topo.drafters)}

@@ -88,7 +88,8 @@ def build_drafter_config(
 @functools.cache
 def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
     # Compiled on first use, once per process: eager flex_attention materialises the full score matrix.
-    return torch.compile(flex_attention)
+    # Dynamic shapes: sequence lengths change every micro-batch, and each static recompile costs seconds.
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,283 @@
+"""Chat data: assistant loss masks, bad records, topology-free order, micro-batches."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dflash_mp import embedded
+from dflash_mp.data import (
+    BadRecord,
+    DataError,
+    DataOrder,
+    JsonlIndex,
+    MicroBatchReader,
+    epoch_permutation,
+    load_tokenizer,
+    micro_batches_per_epoch,
+    parse_record,
+    records_of_micro_batch,
+    tokenize_chat,
+)
+
+LOGGER = logging.getLogger("test_data")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The embedded target's tokenizer, saved and loaded the way the runtime loads it (no model build)."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    conversations = [
+        json.loads(line)["messages"] for line in embedded.render_data()["data/train.jsonl"].splitlines()
+    ]
+    embedded.build_tokenizer(conversations).save_pretrained(path)
+    return load_tokenizer(path)
+
+
+def chat(*turns: tuple[str, str]) -> list[dict[str, str]]:
+    return [{"role": role, "content": content} for role, content in turns]
+
+
+def record(*turns: tuple[str, str]) -> str:
+    return json.dumps({"messages": chat(*turns)})
+
+
+GOOD = record(("user", "Count from 3 to 5."), ("assistant", "3 4 5."))
+
+
+def write_jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+# ----------------------------------------------------------------------------------------
+# loss masks
+
+
+def test_assistant_mask_is_exact_on_multi_turn_with_system(tokenizer: Any) -> None:
+    messages = chat(
+        ("system", "You are a patient teacher."),
+        ("user", "Count from 3 to 5."),
+        ("assistant", "3 4 5."),
+        ("user", "Spell the word cat."),
+        ("assistant", "c a t"),
+    )
+    input_ids, loss_mask = tokenize_chat(tokenizer, messages, max_length=128)
+    # Hand-built: the rendering cut where the loss starts and stops (word-level pieces never span a cut).
+    segments = [
+        ("<|im_start|>system\nYou are a patient teacher.<|im_end|>\n<|im_start|>user\nCount from 3 to 5."
+         "<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("3 4 5.<|im_end|>", 1),
+        ("\n<|im_start|>user\nSpell the word cat.<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("c a t<|im_end|>", 1),
+        ("\n", 0),
+    ]  # fmt: skip
+    expected_ids, expected_mask = [], []
+    for text, in_loss in segments:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        expected_ids += ids
+        expected_mask += [in_loss] * len(ids)
+    assert input_ids == expected_ids
+    assert loss_mask == expected_mask
+    learned = tokenizer.convert_ids_to_tokens([t for t, m in zip(input_ids, loss_mask, strict=True) if m])
+    assert learned == ["3", " 4", " 5", ".", "<|im_end|>", "c", " a", " t", "<|im_end|>"]
+
+
+# Like real Qwen3 templates: contents are trimmed, and only turns after the last user message get a
+# <think> block, so rendering a prefix of the conversation is not a prefix of the whole.
+QWEN3_LIKE_TEMPLATE = (
+    "{%- set ns = namespace(last_user=0) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- set content = m.content|trim %}{%- set reasoning = '' %}"
+    "{%- if m.role == 'assistant' and '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}"
+    "{%- set content = content.split('</think>')[-1]|trim %}{%- endif %}"
+    "{%- if m.role == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+)
+
+
+def test_mask_follows_a_template_that_trims_and_moves_think_blocks(tokenizer: Any, monkeypatch) -> None:
+    monkeypatch.setattr(tokenizer, "chat_template", QWEN3_LIKE_TEMPLATE)
+    messages = chat(
+        ("user", "Count from 3 to 5. "),
+        ("assistant", " 3 4 5.\n"),
+        ("user", "Spell cat."),
+        ("assistant", "c a t"),
+    )
+    input_ids, loss_mask = tokenize_chat(tokenizer, messages, max_length=128)
+    learned = tokenizer.convert_ids_to_tokens([t for t, m in zip(input_ids, loss_mask, strict=True) if m])
+    assert learned == ["3", " 4", " 5", ".", "<|im_end|>", "c", " a", " t", "<|im_end|>"]
+
+    rewritten = record(("user", "Spell cat."), ("assistant", "<think>hmm</think>c a t"))
+    with pytest.raises(BadRecord, match="reasoning_content"):
+        parse_record(rewritten, "x.jsonl", 7, tokenizer, max_length=128)
+
+
+# ----------------------------------------------------------------------------------------
+# bad records
+
+BAD_RECORDS = {
+    "malformed JSON": '{"messages": [',
+    'missing "messages"': json.dumps({"conversation": []}),
+    '"messages" must be a list': json.dumps({"messages": "hi"}),
+    'message 1 has no "role"': json.dumps({"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}),
+    'message 0 has no "content"': json.dumps({"messages": [{"role": "assistant"}]}),
+    '"content" must be a string': json.dumps({"messages": [{"role": "assistant", "content": ["b"]}]}),
+    "empty conversation": json.dumps({"messages": []}),
+    "no assistant turn": record(("user", "Count from 3 to 5.")),
+    "longer than data.max_length=32": record(
+        ("user", "Count from 1 to 30."), ("assistant", " ".join("1" * 30))
+    ),
+}
+
+
+@pytest.mark.parametrize("reason", list(BAD_RECORDS))
+def test_parse_record_names_each_bad_kind(tokenizer: Any, reason: str) -> None:
+    with pytest.raises(BadRecord, match=reason) as caught:
+        parse_record(BAD_RECORDS[reason], "d.jsonl", 12, tokenizer, max_length=32)
+    assert (caught.value.path, caught.value.line) == ("d.jsonl", 12)
+    assert str(caught.value).startswith("d.jsonl:12: ")
+
+
+def bad_file(tmp_path: Path) -> Path:
+    """Each bad kind after a good record and a blank line: bad record k sits on line 3k+3."""
+    lines = []
+    for bad in BAD_RECORDS.values():
+        lines += [GOOD, "", bad]
+    return write_jsonl(tmp_path / "mixed.jsonl", lines)
+
+
+def reader_for(path: Path, tokenizer: Any, on_bad_record: str, micro_batch_size: int = 1) -> MicroBatchReader:
+    return MicroBatchReader(JsonlIndex([path]), tokenizer, 32, on_bad_record, micro_batch_size, 0, LOGGER)
+
+
+def test_skip_drops_counts_and_logs_each_bad_record_once(tokenizer: Any, tmp_path: Path, caplog) -> None:
+    path = bad_file(tmp_path)
+    reader = reader_for(path, tokenizer, "skip")
+    per_epoch = reader.order.per_epoch
+    with caplog.at_level(logging.WARNING, logger=LOGGER.name):
+        batches = [reader.read(m) for m in range(2 * per_epoch)]  # two epochs: logged once all the same
+    assert reader.bad_records == len(BAD_RECORDS)
+    assert sum(b.num_sequences for b in batches) == 2 * len(BAD_RECORDS)
+    empty = [b for b in batches if b.num_sequences == 0]
+    assert all(tuple(b.input_ids.shape) == (0, 0) and b.lengths.numel() == 0 for b in empty)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == len(BAD_RECORDS)
+    for k, reason in enumerate(BAD_RECORDS):
+        assert any(f"{path}:{3 * k + 3}: " in m and reason in m for m in messages), reason
+
+
+@pytest.mark.parametrize(
+    "reason", ["malformed JSON", 'message 1 has no "role"', "empty conversation", "longer than"]
+)
+def test_fail_raises_data_error_with_file_and_line(tokenizer: Any, tmp_path: Path, reason: str) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD, next(v for k, v in BAD_RECORDS.items() if reason in k)])
+    reader = reader_for(path, tokenizer, "fail", micro_batch_size=2)
+    with pytest.raises(DataError, match=reason) as caught:
+        reader.read(0)
+    assert f"{path}:2: " in str(caught.value) and "data.on_bad_record=skip" in str(caught.value)
+
+
+# ----------------------------------------------------------------------------------------
+# index
+
+
+def test_empty_data_set_names_the_files_and_the_fix(tmp_path: Path) -> None:
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    blank = write_jsonl(tmp_path / "blank.jsonl", ["", "   ", "\t"])
+    with pytest.raises(DataError, match="data.train_files") as caught:
+        JsonlIndex([empty, blank])
+    assert str(empty) in str(caught.value) and str(blank) in str(caught.value)
+    with pytest.raises(DataError, match="missing.jsonl"):
+        JsonlIndex([tmp_path / "missing.jsonl"])
+
+
+def test_index_reads_records_with_their_line_numbers(tmp_path: Path) -> None:
+    a = write_jsonl(tmp_path / "a.jsonl", ["", '{"x": 1}', "  ", '{"x": "é"}'])
+    b = write_jsonl(tmp_path / "b.jsonl", ['{"x": 3}'])
+    index = JsonlIndex([a, b])
+    assert len(index) == 3
+    assert [index.read(i) for i in range(3)] == [
+        (str(a), 2, '{"x": 1}\n'),
+        (str(a), 4, '{"x": "é"}\n'),
+        (str(b), 1, '{"x": 3}\n'),
+    ]
+
+
+# ----------------------------------------------------------------------------------------
+# order
+
+
+def test_permutation_depends_on_seed_and_epoch_only() -> None:
+    first = epoch_permutation(100, seed=3, epoch=0)
+    torch.manual_seed(999)  # global RNG state must not leak in
+    torch.rand(10)
+    assert epoch_permutation(100, seed=3, epoch=0) == first
+    assert sorted(first) == list(range(100))
+    assert epoch_permutation(100, seed=3, epoch=1) != first
+    assert epoch_permutation(100, seed=4, epoch=0) != first
+
+
+def test_micro_batches_walk_epochs_and_drop_the_tail() -> None:
+    num_records, size, seed = 10, 3, 5
+    assert micro_batches_per_epoch(num_records, size) == 3
+    order = DataOrder(num_records, size, seed)
+    for m in range(7):
+        assert order.records(m) == records_of_micro_batch(m, num_records, size, seed)
+    epoch1 = [order.records(m) for m in range(3, 6)]
+    assert {epoch for epoch, _ in epoch1} == {1}
+    assert sum((ids for _, ids in epoch1), []) == epoch_permutation(num_records, seed, 1)[:9]
+    with pytest.raises(DataError, match="train.micro_batch_size"):
+        micro_batches_per_epoch(2, 3)
+
+
+# ----------------------------------------------------------------------------------------
+# micro-batches
+
+
+def test_micro_batch_is_right_padded_with_lengths(tokenizer: Any, tmp_path: Path) -> None:
+    lines = [
+        record(("user", "Count from 1 to 9."), ("assistant", "1 2 3 4 5 6 7 8 9.")),
+        record(("user", "Spell cat."), ("assistant", "c a t")),
+        record(("system", "You are a patient teacher."), ("user", "What is 2 plus 1?"), ("assistant", "3.")),
+    ]
+    path = write_jsonl(tmp_path / "d.jsonl", lines)
+    reader = MicroBatchReader(JsonlIndex([path]), tokenizer, 64, "fail", 3, 0, LOGGER)
+    batch = reader.read(4)
+    epoch, record_ids = records_of_micro_batch(4, 3, 3, 0)
+    assert (batch.index, batch.epoch, batch.sample_ids.tolist()) == (4, epoch, record_ids)
+    assert batch.input_ids.dtype == torch.long and batch.loss_mask.dtype == torch.uint8
+    expected = [tokenize_chat(tokenizer, json.loads(lines[i])["messages"], 64) for i in record_ids]
+    assert batch.lengths.tolist() == [len(ids) for ids, _ in expected]
+    assert batch.input_ids.shape == (3, max(batch.lengths.tolist()))
+    for row, (ids, mask) in enumerate(expected):
+        n = len(ids)
+        assert batch.input_ids[row, :n].tolist() == ids and batch.loss_mask[row, :n].tolist() == mask
+        assert (batch.input_ids[row, n:] == tokenizer.pad_token_id).all() and not batch.loss_mask[
+            row, n:
+        ].any()
+
+
+def test_reading_a_micro_batch_reads_only_its_records(tokenizer: Any, tmp_path: Path, monkeypatch) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD] * 20)
+    reader = MicroBatchReader(JsonlIndex([path]), tokenizer, 64, "fail", 4, 1, LOGGER)
+    read_ids: list[int] = []
+    original = JsonlIndex.read
+
+    def spy(self: JsonlIndex, i: int) -> tuple[str, int, str]:
+        read_ids.append(i)
+        return original(self, i)
+
+    monkeypatch.setattr(JsonlIndex, "read", spy)
+    reader.read(7)
+    assert read_ids == records_of_micro_batch(7, 20, 4, 1)[1]

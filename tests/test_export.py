@@ -1,0 +1,82 @@
+"""Drafter export: bitwise round trip, config fields, and a crash mid-export keeps the old export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from dflash_mp import export
+from dflash_mp.export import export_drafter, load_exported_drafter
+from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
+
+TARGET = Qwen3Config(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=100,
+)
+
+
+def _drafter(seed: int) -> DFlashDrafter:
+    config = build_drafter_config(TARGET, 1, [0, 2], block_size=4, mask_token_id=99)
+    return DFlashDrafter(config, seed=seed)
+
+
+def _assert_same_weights(loaded: DFlashDrafter, expected: dict[str, torch.Tensor]) -> None:
+    state = loaded.state_dict()
+    assert state.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert state[name].dtype == tensor.dtype
+        assert torch.equal(state[name], tensor), name
+
+
+def test_same_seed_same_weights() -> None:
+    first, second, other = _drafter(0).state_dict(), _drafter(0).state_dict(), _drafter(1).state_dict()
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    assert not torch.equal(first["fc.weight"], other["fc.weight"])
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_round_trip_is_bitwise(tmp_path: Path, dtype: torch.dtype | None) -> None:
+    drafter = _drafter(0)
+    out_dir = export_drafter(drafter, tmp_path / "export", dtype=dtype)
+    assert sorted(p.name for p in out_dir.iterdir()) == ["config.json", "model.safetensors"]
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["num_target_layers"] == TARGET.num_hidden_layers
+    assert config["dflash_config"] == {"target_layer_ids": [0, 2], "block_size": 4, "mask_token_id": 99}
+    assert config["dtype"] == config["torch_dtype"] == ("float32" if dtype is None else "bfloat16")
+
+    loaded = load_exported_drafter(out_dir)
+    expected = {name: t.to(dtype or t.dtype) for name, t in drafter.state_dict().items()}
+    _assert_same_weights(loaded, expected)
+    assert (loaded.target_layer_ids, loaded.block_size, loaded.mask_token_id) == ([0, 2], 4, 99)
+
+
+def test_crash_mid_export_keeps_previous_export(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out_dir = tmp_path / "export"
+    old = _drafter(0)
+    export_drafter(old, out_dir, dtype=None)
+
+    def crash_while_writing(tensors: dict, path: Path, metadata: dict) -> None:
+        Path(path).write_bytes(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export, "save_file", crash_while_writing)
+    with pytest.raises(OSError, match="disk full"):
+        export_drafter(_drafter(1), out_dir, dtype=None)
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no staging directory left behind
+    _assert_same_weights(load_exported_drafter(out_dir), old.state_dict())
+
+    monkeypatch.undo()
+    new = _drafter(2)
+    export_drafter(new, out_dir, dtype=None)
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+    _assert_same_weights(load_exported_drafter(out_dir), new.state_dict())
