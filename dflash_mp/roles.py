@@ -79,11 +79,10 @@ def hidden_states_for_drafter(extractor, batch: MicroBatch, dtype: torch.dtype, 
     return extractor(batch.input_ids.to(device)).to(dtype)
 
 
-def run_target(cfg: RootConfig, job: Job, start_step: int, steps: int, index: JsonlIndex, dtype) -> None:
+def run_target(cfg: RootConfig, job: Job, start_step: int, steps: int, reader, extractor, dtype) -> None:
+    """Produce this rank's micro-batches: `reader.read(m)` -> MicroBatch, `extractor(ids)` -> features."""
     log = get_logger()
     topology = job.topology
-    reader = make_reader(cfg, index)
-    extractor = make_feature_extractor(cfg, dtype, job.device)
     sender = Sender(job.meta_group, None, job.device, cfg.topology.max_inflight_sends)
     start = start_step * topology.micro_batches_per_step
     stop = steps * topology.micro_batches_per_step

@@ -55,7 +55,14 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
     from dflash_mp.distributed import broadcast_int
     from dflash_mp.logs import setup_rank_logging
     from dflash_mp.metrics import MetricsLogger
-    from dflash_mp.roles import resume_step, run_drafter, run_target, total_steps
+    from dflash_mp.roles import (
+        make_feature_extractor,
+        make_reader,
+        resume_step,
+        run_drafter,
+        run_target,
+        total_steps,
+    )
     from dflash_mp.topology import Role
     from dflash_mp.trainer import DrafterTrainer, resolve_precision
 
@@ -81,7 +88,9 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
     dtype, _, _ = resolve_precision(cfg, job.device)
 
     if job.role is Role.TARGET:
-        run_target(cfg, job, start_step, steps, index, dtype)
+        reader = make_reader(cfg, index)
+        extractor = make_feature_extractor(cfg, dtype, job.device)
+        run_target(cfg, job, start_step, steps, reader, extractor, dtype)
         return
 
     trainer = DrafterTrainer(cfg, job.device, steps, group=job.drafter_group)

@@ -87,14 +87,27 @@ class StepTotals:
 
 
 class DrafterTrainer:
-    def __init__(self, cfg: RootConfig, device: torch.device, total_steps: int, group=None) -> None:
+    def __init__(
+        self,
+        cfg: RootConfig,
+        device: torch.device,
+        total_steps: int,
+        group=None,
+        drafter: DFlashDrafter | None = None,
+        embed_and_head: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """`drafter` and `embed_and_head` default to what cfg.model describes (benchmarks pass their own)."""
         self.cfg = cfg
         self.device = device
         self.total_steps = total_steps
         self.group = group  # drafter-only process group (None: single process)
         self.hidden_dtype, self.attention, compile_drafter = resolve_precision(cfg, device)
-        self.drafter = build_drafter(cfg).to(device)
-        embed, head = load_embedding_and_head(cfg.model.target_path, dtype=self.hidden_dtype, device=device)
+        self.drafter = (drafter if drafter is not None else build_drafter(cfg)).to(device)
+        if embed_and_head is None:
+            embed_and_head = load_embedding_and_head(
+                cfg.model.target_path, dtype=self.hidden_dtype, device=device
+            )
+        embed, head = embed_and_head
         self.embed_weight, self.head_weight = embed.requires_grad_(False), head.requires_grad_(False)
         if compile_drafter:
             self.drafter.compile()
