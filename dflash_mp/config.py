@@ -48,6 +48,8 @@ class DataConfig:
     eval_files: list[str] = field(default_factory=list)
     # Longest tokenized sequence kept (prompt + response), in tokens.
     max_length: int = 3072
+    # Micro-batches are right-padded to a multiple of this many tokens (fewer shapes to compile).
+    pad_to_multiple: int = 64
     # Anchor positions sampled per sequence (each starts one draft block).
     num_anchors: int = 512
     # What to do with a malformed record: skip it (counted, logged with file:line) or fail.
@@ -273,6 +275,7 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
         problems.append(f"model.block_size={m.block_size!r}: must be >= 2 (one known token + masks)")
     _at_least(problems, "data.max_length", d.max_length, 8)
     _at_least(problems, "data.num_anchors", d.num_anchors, 1)
+    _at_least(problems, "data.pad_to_multiple", d.pad_to_multiple, 1)
     _choice(problems, "data.on_bad_record", d.on_bad_record, ("skip", "fail"))
     if not d.train_files:
         problems.append("data.train_files is empty: give at least one JSONL file")

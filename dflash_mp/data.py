@@ -284,10 +284,14 @@ class MicroBatch:
         return self.input_ids.shape[0]
 
 
-def collate(index: int, epoch: int, samples: list[Sample], pad_id: int) -> MicroBatch:
-    """Right-pad samples into a MicroBatch; no samples gives B = S = 0."""
+def collate(index: int, epoch: int, samples: list[Sample], pad_id: int, pad_to_multiple: int = 1) -> MicroBatch:
+    """Right-pad samples into a MicroBatch; no samples gives B = S = 0.
+
+    The width is rounded up to a multiple of `pad_to_multiple`: few distinct shapes mean few
+    recompilations of the compiled drafter and flex_attention masks on GPU.
+    """
     lengths = [len(sample.input_ids) for sample in samples]
-    width = max(lengths, default=0)
+    width = -(-max(lengths, default=0) // pad_to_multiple) * pad_to_multiple
     input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((len(samples), width), dtype=torch.uint8)
     for row, sample in enumerate(samples):
@@ -315,6 +319,7 @@ class MicroBatchReader:
         micro_batch_size: int,
         seed: int,
         logger: logging.Logger,
+        pad_to_multiple: int = 1,
     ) -> None:
         if on_bad_record not in ("skip", "fail"):
             raise ValueError(f"on_bad_record={on_bad_record!r}: must be 'skip' or 'fail'")
@@ -325,6 +330,7 @@ class MicroBatchReader:
             )
         self.index, self.tokenizer, self.max_length = index, tokenizer, max_length
         self.on_bad_record, self.logger, self.pad_id = on_bad_record, logger, pad_id
+        self.pad_to_multiple = pad_to_multiple
         self.order = DataOrder(len(index), micro_batch_size, seed)
         self.bad_records = 0  # distinct bad records met so far by this reader
         self._seen_bad: set[int] = set()
@@ -344,4 +350,4 @@ class MicroBatchReader:
                     self._seen_bad.add(record_id)
                     self.bad_records += 1
                     self.logger.warning("skipping bad record %s", bad)
-        return collate(m, epoch, samples, self.pad_id)
+        return collate(m, epoch, samples, self.pad_id, self.pad_to_multiple)

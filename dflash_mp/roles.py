@@ -41,6 +41,7 @@ def make_reader(cfg: RootConfig, index: JsonlIndex) -> MicroBatchReader:
         micro_batch_size=cfg.train.micro_batch_size,
         seed=cfg.train.seed,
         logger=get_logger(),
+        pad_to_multiple=cfg.data.pad_to_multiple,
     )
 
 

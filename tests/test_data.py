@@ -17,6 +17,8 @@ from dflash_mp.data import (
     DataOrder,
     JsonlIndex,
     MicroBatchReader,
+    Sample,
+    collate,
     epoch_permutation,
     load_tokenizer,
     micro_batches_per_epoch,
@@ -281,3 +283,11 @@ def test_reading_a_micro_batch_reads_only_its_records(tokenizer: Any, tmp_path: 
     monkeypatch.setattr(JsonlIndex, "read", spy)
     reader.read(7)
     assert read_ids == records_of_micro_batch(7, 20, 4, 1)[1]
+
+
+def test_collate_pads_to_a_multiple_and_keeps_lengths():
+    samples = [Sample(sample_id=i, input_ids=[5] * n, loss_mask=[1] * n) for i, n in enumerate((3, 70))]
+    batch = collate(0, 0, samples, pad_id=0, pad_to_multiple=64)
+    assert batch.input_ids.shape == (2, 128)
+    assert batch.lengths.tolist() == [3, 70]
+    assert int(batch.loss_mask.sum()) == 73 and int(batch.input_ids[0, 3:].sum()) == 0
