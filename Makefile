@@ -10,6 +10,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 RUN_DIR ?=
 ARGS ?=
+SHAPE ?= qwen3-8b
+DEVICE ?= auto
+BENCH_OUT ?= bench-$(SHAPE).json
 
 .PHONY: help setup test lint format train eval bench clean
 
@@ -41,6 +44,10 @@ format: setup ## Apply ruff's formatter and autofixes
 
 train: setup ## Train the embedded default (2 target + 1 drafter ranks, CPU); RUN_DIR=path ARGS="key=value ..."
 	$(PY) -m dflash_mp.train $(if $(RUN_DIR),run_dir=$(RUN_DIR)) $(ARGS)
+
+bench: setup ## GPU benchmark, 2 ranks (SHAPE=qwen3-8b|qwen3-4b|tiny DEVICE=auto|cpu BENCH_OUT=path BENCH_ARGS=...)
+	NCCL_NVLS_ENABLE=0 $(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench.py \
+		--shape $(SHAPE) --device $(DEVICE) --out $(BENCH_OUT) $(BENCH_ARGS)
 
 clean: ## Remove .venv and local run outputs
 	rm -rf $(VENV) runs outputs multirun .pytest_cache .ruff_cache

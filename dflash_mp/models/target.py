@@ -7,6 +7,7 @@ LM head matrices, which `load_embedding_and_head` reads straight from the safete
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import logging
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +99,48 @@ class TargetFeatureExtractor(nn.Module):
         if broken:
             raise ValueError(f"target checkpoint {path} does not match its config: {broken[:8]}")
         # Keep the decoder stack only; the LM head (and the rest of the wrapper) is dropped with `model`.
-        self.decoder = model.get_decoder().to(device).eval().requires_grad_(False)
-        layers = self.decoder.layers
+        self._attach(model.get_decoder().to(device))
         log.info("target %s: running layers 0..%d of %d", path, kept_layers - 1, self.num_target_layers)
 
+    def _attach(self, decoder: nn.Module) -> None:
+        """Freeze `decoder` (layers 0..max(layer_ids)) and capture the outputs of layers `layer_ids`."""
+        self.decoder = decoder.eval().requires_grad_(False)
         self._captured: dict[int, torch.Tensor] = {}
-        for layer_id in set(layer_ids):
-            layers[layer_id].register_forward_hook(self._capture_hook(layer_id))
+        for layer_id in set(self.layer_ids):
+            self.decoder.layers[layer_id].register_forward_hook(self._capture_hook(layer_id))
+
+    @classmethod
+    def build_random(
+        cls,
+        config: PretrainedConfig,
+        layer_ids: list[int],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        seed: int = 0,
+    ) -> TargetFeatureExtractor:
+        """A randomly initialised target of `config`'s shape, built in memory on `device` (benchmarks, tests).
+
+        Same truncation and outputs as a loaded target; no checkpoint is read or written.
+        """
+        text_config = copy.deepcopy(config.get_text_config())
+        num_layers = text_config.num_hidden_layers
+        _check_layer_ids(layer_ids, num_layers)
+        kept_layers = max(layer_ids) + 1
+        text_config.num_hidden_layers = kept_layers
+        if getattr(text_config, "layer_types", None) is not None:
+            text_config.layer_types = text_config.layer_types[:kept_layers]
+        device = torch.device(device)
+        # Weights are drawn directly on `device` (fast on a GPU), from a forked RNG seeded by `seed`.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
+            torch.manual_seed(seed)
+            decoder = AutoModel.from_config(text_config, dtype=dtype)
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.num_target_layers = num_layers
+        self.layer_ids = list(layer_ids)
+        self.hidden_size = text_config.hidden_size
+        self._attach(decoder)
+        return self
 
     def _capture_hook(self, layer_id: int) -> Callable[[nn.Module, tuple, Any], None]:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:

@@ -1,0 +1,139 @@
+"""The GPU benchmark (bench/bench.py, issue 6) at its tiny shape on CPU, under a real torchrun (gloo).
+
+Only structure and sanity are checked (every section ran, rates are positive, the pipeline's
+efficiency is plausible), never timing thresholds: the CPU is shared and slow.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from dflash_mp.models.target import TargetFeatureExtractor
+from tests.conftest import REPO, job_env
+
+SECTIONS = ("matmul_peak", "setup", "drafter_only", "target_only", "pipeline", "transport", "colocated")
+
+
+def run_bench(
+    tmp_path: Path, *extra: str, timeout: float = 120
+) -> tuple[subprocess.CompletedProcess, dict | None]:
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(REPO / "bench" / "bench.py"),
+        "--shape",
+        "tiny",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        *extra,
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=timeout)
+    return proc, json.loads(out.read_text()) if out.exists() else None
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and value > 0
+
+
+@pytest.mark.slow
+def test_tiny_benchmark_on_cpu_reports_every_section(tmp_path: Path) -> None:
+    proc, result = run_bench(tmp_path)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert result is not None and result["schema"] == "dflash_mp.bench/1"
+    sections = result["sections"]
+    assert {name: sections[name]["status"] for name in SECTIONS} == dict.fromkeys(SECTIONS, "ok")
+
+    assert all(_positive(sections["matmul_peak"]["per_rank"][r]["tflops"]) for r in ("0", "1"))
+    assert _positive(sections["setup"]["target"]["flops_per_seq"])
+    assert _positive(sections["setup"]["drafter"]["flops_per_micro_batch"])
+    for name, keys in {
+        "target_only": ("samples_per_s", "ms_per_seq", "tflops", "mfu"),
+        "drafter_only": ("samples_per_s", "ms_per_step", "tflops", "mfu", "first_step_s"),
+        "transport": ("msgs_per_s", "gb_per_s", "raw_msgs_per_s", "raw_gb_per_s"),
+        "pipeline": ("samples_per_s", "tokens_per_s", "time_to_first_step_s"),
+        "colocated": ("samples_per_s_total", "tokens_per_s_total"),
+    }.items():
+        for key in keys:
+            assert _positive(sections[name].get(key)), (name, key, sections[name].get(key))
+
+    pipeline = sections["pipeline"]
+    assert 0 < pipeline["efficiency"] <= 1.5
+    for key in ("drafter_busy_frac", "drafter_wait_frac", "target_busy_frac", "target_wait_frac"):
+        assert 0 <= pipeline[key] <= 1, (key, pipeline[key])
+    assert set(pipeline["runtime_reported"]) == {
+        "drafter_busy_frac",
+        "drafter_wait_frac",
+        "target_busy_frac",
+        "target_wait_frac",
+    }
+
+    summary = result["summary"]
+    assert summary["pipeline"]["efficiency"] == pipeline["efficiency"]
+    assert _positive(summary["colocated"]["samples_per_s"])
+    assert all(_positive(v) for v in summary["peak_memory_gb"].values())
+    # Recompilations after warm-up are counted (the CPU path runs eagerly, so there are none).
+    recompiles = summary["recompiles_after_warmup"]
+    assert all(v == 0 for v in recompiles.values()), recompiles
+    assert "pipeline 1t+1d" in proc.stdout
+    assert not list(tmp_path.glob("*.partial.json")), "per-rank partial files are removed after a clean run"
+
+
+@pytest.mark.slow
+def test_a_failing_rank_neither_hangs_the_benchmark_nor_loses_earlier_sections(tmp_path: Path) -> None:
+    # The drafter rank fails at its third pipeline micro-batch while the target rank is blocked sending.
+    proc, result = run_bench(
+        tmp_path,
+        "--sections",
+        "setup,drafter_only,target_only,pipeline",
+        "--fault",
+        "pipeline:1:raise:3",
+        "--peer-grace",
+        "2",
+        timeout=90,
+    )
+    assert proc.returncode != 0
+    assert result is not None, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    sections = result["sections"]
+    assert sections["drafter_only"]["status"] == "ok" and _positive(sections["drafter_only"]["samples_per_s"])
+    assert sections["pipeline"]["status"] == "error"
+    assert "injected fault" in sections["pipeline"]["errors"]["1"]
+
+
+def test_build_random_target_runs_the_layers_it_reads() -> None:
+    config = Qwen3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=100,
+    )
+    extractor = TargetFeatureExtractor.build_random(config, [1, 3], dtype=torch.float32, device="cpu", seed=0)
+    assert len(extractor.decoder.layers) == 4
+    assert not any(p.requires_grad for p in extractor.parameters())
+    again = TargetFeatureExtractor.build_random(config, [1, 3], dtype=torch.float32, device="cpu", seed=0)
+    input_ids = torch.randint(0, 100, (2, 7))
+    features = extractor(input_ids)
+    assert features.shape == (2, 7, 64)
+    torch.testing.assert_close(features, again(input_ids))  # seeded: the same weights
+    with torch.no_grad():
+        hidden_states = extractor.decoder(input_ids=input_ids, output_hidden_states=True).hidden_states
+    # Layer 1's output as HF reports it; layer 3 is the truncated stack's last, which HF reports normed.
+    torch.testing.assert_close(features[..., :32], hidden_states[2])
+    with torch.no_grad():
+        torch.testing.assert_close(extractor.decoder.norm(features[..., 32:]), hidden_states[4])
