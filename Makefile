@@ -14,7 +14,7 @@ SHAPE ?= qwen3-8b
 DEVICE ?= auto
 BENCH_OUT ?= bench-$(SHAPE).json
 
-.PHONY: help setup test lint format train eval bench clean
+.PHONY: help setup test lint format train eval plot start status stop doctor bench clean
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-8s %s\n", $$1, $$2}'
@@ -44,6 +44,24 @@ format: setup ## Apply ruff's formatter and autofixes
 
 train: setup ## Train the embedded default (2 target + 1 drafter ranks, CPU); RUN_DIR=path ARGS="key=value ..."
 	$(PY) -m dflash_mp.train $(if $(RUN_DIR),run_dir=$(RUN_DIR)) $(ARGS)
+
+eval: setup ## Acceptance length (tau) of a run's drafter: RUN_DIR=path ARGS="--temperature 1"
+	$(PY) -m dflash_mp.eval $(RUN_DIR) $(ARGS)
+
+plot: setup ## Training curves of RUN_DIR into RUN_DIR/plots
+	$(PY) -m dflash_mp.plot $(RUN_DIR)
+
+start: setup ## Start a job detached (survives the shell); RUN_DIR=path ARGS="key=value ..."
+	$(PY) -m dflash_mp.launch start $(if $(RUN_DIR),run_dir=$(RUN_DIR)) $(ARGS)
+
+status: setup ## State of a job: RUN_DIR=path
+	$(PY) -m dflash_mp.launch status $(RUN_DIR)
+
+stop: setup ## Stop a job (checkpoint first, SIGKILL after a timeout): RUN_DIR=path
+	$(PY) -m dflash_mp.launch stop $(RUN_DIR)
+
+doctor: setup ## Preflight checks for a config; ARGS="key=value ..."
+	$(PY) -m dflash_mp.launch doctor $(ARGS)
 
 bench: setup ## GPU benchmark, 2 ranks (SHAPE=qwen3-8b|qwen3-4b|tiny DEVICE=auto|cpu BENCH_OUT=path BENCH_ARGS=...)
 	NCCL_NVLS_ENABLE=0 $(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench.py \

@@ -284,7 +284,9 @@ class MicroBatch:
         return self.input_ids.shape[0]
 
 
-def collate(index: int, epoch: int, samples: list[Sample], pad_id: int, pad_to_multiple: int = 1) -> MicroBatch:
+def collate(
+    index: int, epoch: int, samples: list[Sample], pad_id: int, pad_to_multiple: int = 1
+) -> MicroBatch:
     """Right-pad samples into a MicroBatch; no samples gives B = S = 0.
 
     The width is rounded up to a multiple of `pad_to_multiple`: few distinct shapes mean few

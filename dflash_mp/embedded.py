@@ -25,6 +25,8 @@ from typing import Any
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 DATA_FILES = ("data/train.jsonl", "data/eval.jsonl")
+# The training prompts answered by the target (dflash_mp.regenerate); not part of the target's digest.
+REGENERATED_DATA = "data/train_regenerated.jsonl"
 # Bump when the build recipe changes; the data digest is appended, so new data gives a new target.
 TARGET_VERSION = "embedded-target-v2"
 TARGET_SEED = 1234
@@ -70,8 +72,9 @@ def embedded_path(name: str) -> Path:
     path = (ASSETS / name).resolve()
     if ASSETS not in path.parents or not path.is_file():
         raise FileNotFoundError(
-            f"no embedded asset {name!r} (looked at {path}); known names: target, {', '.join(DATA_FILES)}. "
-            "Regenerate the data with `python -m dflash_mp.embedded --write-data`."
+            f"no embedded asset {name!r} (looked at {path}); known names: target, {', '.join(DATA_FILES)}, "
+            f"{REGENERATED_DATA}. Regenerate the data with `python -m dflash_mp.embedded --write-data` "
+            "(and the regenerated set with the command in `python -m dflash_mp.regenerate --help`)."
         )
     return path
 

@@ -1,15 +1,21 @@
 """HF-format drafter export (`config.json` + `model.safetensors`) that the reference `dflash` loads.
 
-An export is written to a temporary directory beside its destination, synced, and only then
-swapped in, so a crash mid-export never leaves a half-written drafter where a reader expects one.
+    python -m dflash_mp.export RUN_DIR [--step N] [--out DIR] [--dtype bfloat16|float32]
+
+exports a checkpoint of a run (the newest, or step N) to RUN_DIR/export (or DIR). An export is
+written to a temporary directory beside its destination, synced, and only then swapped in, so a
+crash mid-export never leaves a half-written drafter where a reader expects one.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -89,3 +95,68 @@ def load_exported_drafter(path: str | Path) -> DFlashDrafter:
     drafter = DFlashDrafter(config)
     drafter.load_state_dict(load_file(path / WEIGHTS_NAME), strict=True, assign=True)
     return drafter
+
+
+def drafter_from_checkpoint(
+    run_dir: str | Path, step: int | None = None, checkpoint_dir: str | Path | None = None
+) -> DFlashDrafter:
+    """The drafter of a checkpoint of `run_dir`: `checkpoint_dir`, else step `step`, else the newest.
+
+    Its config is rebuilt from RUN_DIR/config.yaml the way training built it, so the checkpoint's
+    tensors (the bare state dict) load with strict key and shape checks.
+    """
+    from omegaconf import OmegaConf
+
+    from dflash_mp import checkpoint
+    from dflash_mp.config import to_dataclass
+    from dflash_mp.trainer import build_drafter
+
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{run_dir} has no config.yaml: give the run directory the checkpoint belongs to"
+        )
+    if checkpoint_dir is None:
+        found = {
+            int(path.name.removeprefix("step_")): path
+            for path in checkpoint.complete_checkpoints(run_dir / "checkpoints")
+        }
+        if not found:
+            raise FileNotFoundError(f"no complete checkpoint in {run_dir / 'checkpoints'}")
+        step = max(found) if step is None else step
+        if step not in found:
+            raise FileNotFoundError(
+                f"no complete checkpoint of step {step} in {run_dir}; there are steps {sorted(found)}"
+            )
+        checkpoint_dir = found[step]
+    drafter = build_drafter(to_dataclass(OmegaConf.load(config_path)))
+    drafter.load_state_dict(load_file(Path(checkpoint_dir) / "drafter.safetensors"), strict=True)
+    return drafter
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "run_dir", type=Path, help="the training run directory (holds config.yaml and checkpoints/)"
+    )
+    parser.add_argument("--step", type=int, help="export the checkpoint of this step (default: the newest)")
+    parser.add_argument("--out", type=Path, help="export directory (default: RUN_DIR/export)")
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="dtype of the exported weights"
+    )
+    args = parser.parse_args(argv)
+    try:
+        drafter = drafter_from_checkpoint(args.run_dir, step=args.step)
+    except FileNotFoundError as e:
+        print(f"dflash_mp.export: {e}", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    print(export_drafter(drafter, args.out or args.run_dir / "export", dtype=dtype))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

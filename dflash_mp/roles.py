@@ -6,6 +6,7 @@ import itertools
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from dflash_mp import checkpoint
 from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
@@ -14,6 +15,7 @@ from dflash_mp.distributed import Job
 from dflash_mp.logs import get_logger
 from dflash_mp.topology import Topology
 from dflash_mp.transport import Features, Receiver, Sender, pack_tokens
+from dflash_mp.watchdog import Preempted, beat, stop_requested
 
 
 def total_steps(cfg: RootConfig, num_records: int, topology: Topology) -> int:
@@ -59,14 +61,16 @@ def make_feature_extractor(cfg: RootConfig, dtype: torch.dtype, device: torch.de
 
 
 def features_of(batch: MicroBatch, hidden_states: torch.Tensor, bad_records: int = 0) -> Features:
-    """A locally read micro-batch in the form the drafter consumes (the reference trainer's path)."""
+    """A locally read micro-batch in the form the drafter consumes (the reference trainer's path),
+    on the hidden states' device, as the transport would deliver it."""
+    device = hidden_states.device
     return Features(
         index=batch.index,
         epoch=batch.epoch,
-        input_ids=batch.input_ids,
-        loss_mask=batch.loss_mask.long(),
-        lengths=batch.lengths,
-        sample_ids=batch.sample_ids,
+        input_ids=batch.input_ids.to(device),
+        loss_mask=batch.loss_mask.long().to(device),
+        lengths=batch.lengths.to(device),
+        sample_ids=batch.sample_ids.to(device),
         # The extractor runs under inference_mode; autograd may not save such tensors.
         hidden_states=hidden_states.clone(),
         bad_records=bad_records,
@@ -92,15 +96,22 @@ def run_target(cfg: RootConfig, job: Job, start_step: int, steps: int, reader, e
     log.info("producing %d micro-batches in [%d, %d) every %d", len(mine), start, stop, topology.targets)
     bad_before = reader.bad_records
     for m in mine:
-        batch = reader.read(m)
+        step = m // topology.micro_batches_per_step
+        beat("tokenize", step)
+        with sender.clock.busy():
+            batch = reader.read(m)
         dst = topology.drafter_rank(m)
         bad, bad_before = reader.bad_records - bad_before, reader.bad_records
         batch_size, seq_len = batch.input_ids.shape
         # The header goes out before the forward, so the drafter can post its receives early.
         sender.send_header(dst, m, batch.epoch, batch_size, seq_len, feature_size, dtype, bad)
-        hidden = hidden_states_for_drafter(extractor, batch, dtype, job.device)
+        beat("forward", step)
+        with sender.clock.busy():
+            hidden = hidden_states_for_drafter(extractor, batch, dtype, job.device)
         tokens = pack_tokens(batch.input_ids, batch.loss_mask, batch.lengths, batch.sample_ids)
+        beat("send", step)
         sender.send_tensors(dst, tokens, hidden)
+    beat("send", steps)
     for drafter, m_end in topology.end_of_data_indices(stop).items():
         if topology.target_rank(m_end) == job.rank:
             sender.send_end_of_data(topology.targets + drafter, m_end)
@@ -108,8 +119,8 @@ def run_target(cfg: RootConfig, job: Job, start_step: int, steps: int, reader, e
     log.info(
         "done: sent %.1f MB, busy %.1fs, waited %.1fs, %d bad records",
         sender.bytes_sent / 1e6,
-        sender.timer.busy_s,
-        sender.timer.wait_s,
+        sender.clock.busy_s,
+        sender.clock.wait_s,
         reader.bad_records,
     )
 
@@ -135,23 +146,43 @@ def run_drafter(cfg: RootConfig, job: Job, trainer, start_step: int, steps: int,
     target_balance: dict[int, tuple[float, float]] = {}
     for _ in range(start_step, steps):
         for micro in range(cfg.train.grad_accum):
+            beat("receive", trainer.step)
             batch = receiver.next()
             if batch.end_of_data:
                 raise RuntimeError(f"end of data at micro-batch {batch.index}, before the last step")
             target_balance[topology.target_rank(batch.index)] = (batch.sender_busy_s, batch.sender_wait_s)
-            trainer.micro_step(batch, last_of_step=micro == cfg.train.grad_accum - 1)
+            beat("compute", trainer.step)
+            with receiver.clock.busy():
+                trainer.micro_step(batch, last_of_step=micro == cfg.train.grad_accum - 1)
+            beat("receive", trainer.step)
             receiver.prefetch()
-        record = trainer.optimizer_step(_balance(receiver, target_balance))
+        beat("optimizer", trainer.step)
+        with receiver.clock.busy():
+            record = trainer.optimizer_step()
+        record.update(_balance(receiver, target_balance))
         on_step(record)
+        if trainer.step < steps and _stop_agreed(job):
+            raise Preempted(trainer.step)
+    beat("receive", trainer.step)
     final = receiver.next()
     if not final.end_of_data:
         raise RuntimeError(f"expected the end-of-data flag at micro-batch {final.index}")
     log.info("end of data after step %d", trainer.step)
 
 
+def _stop_agreed(job: Job) -> bool:
+    """A stop request (SIGTERM/SIGUSR1) on any drafter stops them all after the same step."""
+    group = job.drafter_group
+    if group is None or dist.get_world_size(group) == 1:
+        return stop_requested()
+    flag = torch.tensor([float(stop_requested())], device=job.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
 def _balance(receiver: Receiver, targets: dict[int, tuple[float, float]]) -> dict:
     """Busy/wait fractions of each role, so a user sees whether to add targets or drafters."""
-    busy, wait = receiver.timer.busy_s, receiver.timer.wait_s
+    busy, wait = receiver.clock.busy_s, receiver.clock.wait_s
     t_busy = sum(b for b, _ in targets.values())
     t_wait = sum(w for _, w in targets.values())
     return {

@@ -13,8 +13,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from dflash_mp import watchdog
 from dflash_mp.config import CONF_DIR, ConfigError, to_dataclass, validate
-from dflash_mp.logs import append_job_log
+from dflash_mp.logs import append_job_log, get_logger
 
 EXIT_CONFIG_ERROR = 2
 
@@ -26,6 +27,7 @@ def run_rank(dict_cfg: DictConfig) -> None:
     from dflash_mp.distributed import env_ranks, init_job, shared_run_dir
     from dflash_mp.topology import Topology
 
+    watchdog.die_with_agent()
     cfg = to_dataclass(dict_cfg)
     rank, _, world_size = env_ranks()
     try:
@@ -38,11 +40,24 @@ def run_rank(dict_cfg: DictConfig) -> None:
     topology = Topology(cfg.topology.targets, cfg.topology.drafters, cfg.train.grad_accum)
     job = init_job(topology, cfg.train.device)
     run_dir = Path(shared_run_dir(cfg.run_dir, cfg.name, job.meta_group))
+    watchdog.start(run_dir, job.rank, job.role.value, cfg.watchdog.timeout_s)
     try:
         _run_role(cfg, dict_cfg, job, run_dir)
+    except watchdog.Preempted as stop:
+        watchdog.finish("preempted")
+        append_job_log(run_dir, f"rank {job.rank} ({job.role.value}) {stop}")
+        sys.exit(watchdog.EXIT_PREEMPTED)
     except BaseException as e:
-        append_job_log(run_dir, f"rank {job.rank} ({job.role.value}) failed: {type(e).__name__}: {e}")
+        # Once a stop was requested, a rank whose peers already left ends on a broken connection:
+        # expected, so no error file that would pass for the job's root cause.
+        state = "stopped" if watchdog.stop_requested() else "failed"
+        watchdog.finish(state, f"{type(e).__name__}: {e}")
+        append_job_log(run_dir, f"rank {job.rank} ({job.role.value}) {state}: {type(e).__name__}: {e}")
+        if state == "stopped":
+            get_logger().info("stopped on request", exc_info=True)
+            sys.exit(watchdog.EXIT_PREEMPTED)
         raise
+    watchdog.finish("done")  # waiting in the barrier below is not a hang
     dist.barrier(group=job.meta_group)
     dist.destroy_process_group()
     if job.rank == 0:
@@ -85,6 +100,7 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
     if job.is_first_drafter:
         start_step, state = resume_step(cfg, run_dir)
     start_step = broadcast_int(start_step if job.is_first_drafter else 0, first_drafter, job.meta_group)
+    watchdog.beat("load", start_step)
     dtype, _, _ = resolve_precision(cfg, job.device)
 
     if job.role is Role.TARGET:
@@ -96,25 +112,57 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
     trainer = DrafterTrainer(cfg, job.device, steps, group=job.drafter_group)
     if start_step > 0:
         trainer.load_training_state(state if state is not None else resume_step(cfg, run_dir)[1])
-    metrics = None
+    metrics = evaluator = None
+    if job.is_first_drafter and cfg.eval.every > 0:
+        from dflash_mp.eval import AcceptanceEvaluator
+
+        # Loads the whole target beside the drafter: enable eval.every only where it fits.
+        evaluator = AcceptanceEvaluator(cfg, job.device)
     if job.is_first_drafter:
         metrics = MetricsLogger(
             run_dir, steps, start_step, cfg.logger, OmegaConf.to_container(dict_cfg, resolve=True)
         )
         log.info("training %d steps from step %d", steps, start_step)
 
+    def checkpoint_due(step: int) -> bool:
+        every = cfg.train.checkpoint_every
+        return bool(every and step % every == 0) or step == steps
+
+    def save_checkpoint() -> None:
+        watchdog.beat("checkpoint", trainer.step)
+        checkpoint.save(run_dir / "checkpoints", trainer.training_state(), cfg.train.keep_checkpoints)
+
     def on_step(record: dict) -> None:
         if metrics is None:
             return
+        if evaluator is not None and (record["step"] % cfg.eval.every == 0 or record["step"] == steps):
+            watchdog.beat("eval", trainer.step)
+            record["tau"] = evaluator(trainer.drafter)["tau"]
+            trainer.restart_step_clock()  # evaluation time is not training throughput
         metrics.log(record)
-        every = cfg.train.checkpoint_every
-        if (every and record["step"] % every == 0) or record["step"] == steps:
-            checkpoint.save(run_dir / "checkpoints", trainer.training_state(), cfg.train.keep_checkpoints)
+        if checkpoint_due(record["step"]):
+            save_checkpoint()
 
-    run_drafter(cfg, job, trainer, start_step, steps, on_step)
+    try:
+        run_drafter(cfg, job, trainer, start_step, steps, on_step)
+    except watchdog.Preempted:
+        if metrics is not None:  # the first drafter saves for all: DDP keeps their weights equal
+            if not checkpoint_due(trainer.step):
+                save_checkpoint()
+            metrics.close()
+            watchdog.mark_preempted(run_dir, trainer.step)
+        if job.drafter_group is not None and job.topology.drafters > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=job.drafter_group)  # no drafter leaves before the checkpoint is on disk
+        raise
     if metrics is not None:
         metrics.close()
+        from dflash_mp.plot import plot_run
+
+        plot_run(run_dir)
         if cfg.train.export:
+            watchdog.beat("export", trainer.step)
             from dflash_mp.export import export_drafter
 
             path = export_drafter(trainer.drafter, run_dir / "export")

@@ -234,6 +234,10 @@ class DrafterTrainer:
         self.totals = StepTotals()
         return record
 
+    def restart_step_clock(self) -> None:
+        """Start timing the next step now (after work that is not training, e.g. an evaluation)."""
+        self._step_start = time.perf_counter()
+
     # ------------------------------------------------------------------ state
 
     def training_state(self) -> checkpoint.TrainingState:

@@ -14,12 +14,13 @@ tensor receives once the header is in. Same code on gloo (CPU) and NCCL (GPU).
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from dflash_mp.clock import RoleClock
 
 HEADER_LEN = 16
 _MAGIC = 0xDF1A54
@@ -68,21 +69,6 @@ def unpack_tokens(tokens: torch.Tensor, seq_len: int):
     return tokens[:, :s], tokens[:, s : 2 * s], tokens[:, 2 * s], tokens[:, 2 * s + 1]
 
 
-class _Timer:
-    """Accumulates seconds spent waiting on the other role vs. everything else (busy)."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.wait_s = 0.0
-
-    def waited(self, seconds: float) -> None:
-        self.wait_s += seconds
-
-    @property
-    def busy_s(self) -> float:
-        return time.perf_counter() - self.start - self.wait_s
-
-
 class Sender:
     """Target side: sends micro-batches, at most `max_inflight` data sends outstanding."""
 
@@ -92,7 +78,7 @@ class Sender:
         self.device = device
         self.max_inflight = max_inflight
         self.inflight: deque = deque()
-        self.timer = _Timer()
+        self.clock = RoleClock(device)  # the caller times its work with `with sender.clock.busy():`
         self.bytes_sent = 0
 
     def _header(self, flags: int, index: int, epoch: int, batch: int, seq: int, feat: int, dtype, bad: int):
@@ -102,8 +88,8 @@ class Sender:
         header[_H_BATCH], header[_H_SEQ], header[_H_FEAT] = batch, seq, feat
         header[_H_DTYPE] = _DTYPES.index(dtype)
         header[_H_BAD_RECORDS] = bad
-        header[_H_SENDER_BUSY_US] = int(self.timer.busy_s * 1e6)
-        header[_H_SENDER_WAIT_US] = int(self.timer.wait_s * 1e6)
+        header[_H_SENDER_BUSY_US] = int(self.clock.busy_s * 1e6)
+        header[_H_SENDER_WAIT_US] = int(self.clock.wait_s * 1e6)
         return header
 
     def send_header(self, dst: int, index: int, epoch: int, batch: int, seq: int, feat: int, dtype, bad: int):
@@ -131,13 +117,11 @@ class Sender:
 
     def _drain(self, keep: int) -> None:
         while len(self.inflight) > keep:
-            t0 = time.perf_counter()
             works, _, done = self.inflight.popleft()
             for work in works if isinstance(works, list) else [works]:
                 work.wait()
             if done is not None:
                 done.synchronize()
-            self.timer.waited(time.perf_counter() - t0)
 
     def close(self) -> None:
         self._drain(0)
@@ -167,7 +151,7 @@ class Receiver:
         self.meta_group, self.data_group, self.device = meta_group, data_group, device
         self.indices = iter(indices)
         self.source_of = source_of
-        self.timer = _Timer()
+        self.clock = RoleClock(device)  # the caller times its work with `with receiver.clock.busy():`
         self.bytes_received = 0
         self._next_header = self._post_header()
         self._next_tensors: _PendingTensors | None = None
@@ -177,10 +161,8 @@ class Receiver:
         return None if index is None else _PendingHeader(index, self.source_of(index), self.meta_group)
 
     def _wait(self, works) -> None:
-        t0 = time.perf_counter()
         for work in works:
             work.wait()
-        self.timer.waited(time.perf_counter() - t0)
 
     def _post_tensors(self, pending: _PendingHeader) -> _PendingTensors:
         self._wait([pending.work])

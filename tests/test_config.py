@@ -39,7 +39,9 @@ def test_all_problems_are_reported_at_once(tmp_path):
 
 
 def test_target_layer_ids_outside_the_target():
-    with pytest.raises(ConfigError, match=r"model.target_layer_ids=\[0, 99\].*outside the target's layers \[0, 5\]"):
+    with pytest.raises(
+        ConfigError, match=r"model.target_layer_ids=\[0, 99\].*outside the target's layers \[0, 5\]"
+    ):
         validate(_cfg("model.target_layer_ids=[0,99]"), world_size=3)
 
 

@@ -32,7 +32,9 @@ def _worker(rank: int, init_file: str, results) -> None:
         sender = Sender(meta, None, cpu, max_inflight=1)
         for m, (batch, seq) in enumerate(SHAPES):
             ids, mask, lengths, sample_ids, hidden = _micro_batch(m, batch, seq)
-            sender.send_header(1, m, epoch=3, batch=batch, seq=seq, feat=FEATURES, dtype=hidden.dtype, bad=m % 2)
+            sender.send_header(
+                1, m, epoch=3, batch=batch, seq=seq, feat=FEATURES, dtype=hidden.dtype, bad=m % 2
+            )
             sender.send_tensors(1, pack_tokens(ids, mask, lengths, sample_ids), hidden)
         sender.send_end_of_data(1, len(SHAPES))
         sender.close()

@@ -1,0 +1,211 @@
+"""Preflight checks, before any worker starts: `python -m dflash_mp.launch doctor [overrides]`.
+
+Every check ends in one line: what was found, or why it fails and how to fix it. The launcher
+runs them before it starts torchrun (`launch run|start`, `python -m dflash_mp.train`), so a bad
+config, a missing file or a busy port costs seconds, not a job allocation.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from dflash_mp.config import ConfigError, RootConfig, to_dataclass, validate
+
+REQUIRED_MODULES = ("torch", "transformers", "safetensors", "hydra", "omegaconf")
+# Enough for logs and a few checkpoints of a small drafter; a real drafter needs more (~16 B/param each).
+MIN_FREE_GIB = 1.0
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    message: str  # what was found, or the reason and the fix
+
+
+def preflight(
+    dict_cfg: DictConfig,
+    run_dir: Path,
+    nnodes: int = 1,
+    nproc_per_node: int | None = None,
+    port: int | None = None,
+) -> list[Check]:
+    """All checks for one job; `nproc_per_node` defaults to the whole topology on this machine."""
+    checks = [check_imports()]
+    cfg: RootConfig | None = None
+    try:
+        cfg = to_dataclass(dict_cfg)
+    except Exception as e:  # a value Hydra could not resolve or type
+        checks.append(Check("config", False, f"{type(e).__name__}: {e}"))
+    if cfg is not None:
+        per_node = nproc_per_node or (cfg.topology.targets + cfg.topology.drafters)
+        checks += check_config(cfg, world_size=nnodes * per_node)
+        if checks[0].ok:  # the next two need torch
+            import torch
+
+            uses_gpu = cfg.train.device != "cpu" and torch.cuda.is_available()
+            checks += [check_devices(cfg.train.device, per_node), check_backends(uses_gpu)]
+        checks.append(check_target(cfg.model.target_path))
+    checks += [check_disk(run_dir), check_reaper()]
+    if port is not None:
+        checks.append(check_port(port))
+    return checks
+
+
+def failed(checks: list[Check]) -> list[Check]:
+    return [c for c in checks if not c.ok]
+
+
+def format_checks(checks: list[Check]) -> str:
+    return "\n".join(f"{'ok' if c.ok else 'FAIL':4}  {c.name:8}  {c.message}" for c in checks)
+
+
+def check_imports() -> Check:
+    found, missing = [], []
+    for name in REQUIRED_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except Exception as e:  # ImportError, or a broken install raising anything at import time
+            missing.append(f"{name} ({type(e).__name__}: {e})")
+            continue
+        found.append(f"{name} {getattr(module, '__version__', '?')}")
+    if missing:
+        return Check(
+            "imports",
+            False,
+            f"cannot import {'; '.join(missing)}: run `make setup` (or `pip install -e .`) in this environment",
+        )
+    return Check("imports", True, ", ".join(found))
+
+
+def check_config(cfg: RootConfig, world_size: int) -> list[Check]:
+    """config.validate, one check per problem (it reports all of them at once)."""
+    try:
+        validate(cfg, world_size=world_size)
+    except ConfigError as e:
+        problems = [line[4:] for line in str(e).splitlines() if line.startswith("  - ")]
+        return [Check("config", False, problem) for problem in problems]
+    return [Check("config", True, f"valid for a world of {world_size} process(es)")]
+
+
+def check_devices(requested: str, nproc_per_node: int) -> Check:
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cpu" or (requested == "auto" and gpus == 0):
+        return Check("devices", True, f"CPU, {nproc_per_node} process(es) on gloo")
+    if gpus == 0:
+        return Check(
+            "devices",
+            False,
+            "train.device=cuda but no CUDA device is visible: use train.device=cpu, or check the "
+            "driver and CUDA_VISIBLE_DEVICES",
+        )
+    if nproc_per_node > gpus:
+        return Check(
+            "devices",
+            False,
+            f"{nproc_per_node} process(es) per node need as many GPUs but {gpus} are visible: make "
+            f"topology.targets + topology.drafters = {gpus} x nodes, or expose more GPUs",
+        )
+    return Check("devices", True, f"{gpus} GPU(s) ({torch.cuda.get_device_name(0)}), {nproc_per_node} used")
+
+
+def check_backends(uses_gpu: bool) -> Check:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return Check("backends", False, "this torch has no torch.distributed: install a standard torch build")
+    if not dist.is_gloo_available():
+        return Check(
+            "backends",
+            False,
+            "gloo is missing (headers always travel on gloo): install a torch build with gloo",
+        )
+    if uses_gpu and not dist.is_nccl_available():
+        return Check("backends", False, "NCCL is missing: install a CUDA build of torch")
+    return Check("backends", True, "gloo + nccl" if uses_gpu else "gloo")
+
+
+def check_target(target_path: str) -> Check:
+    path = Path(target_path)
+    if not path.is_dir():
+        return Check(
+            "target",
+            False,
+            f"model.target_path={target_path!r} is not a directory: point it at a local HF model",
+        )
+    weights = [w for pattern in WEIGHT_PATTERNS for w in path.glob(pattern)]
+    if not weights:
+        return Check(
+            "target",
+            False,
+            f"no *.safetensors or *.bin weights in {path}: download the whole model "
+            "(e.g. `huggingface-cli download NAME --local-dir DIR`)",
+        )
+    unreadable = [str(p) for p in [path / "config.json", *weights] if not os.access(p, os.R_OK)]
+    if unreadable:
+        return Check("target", False, f"not readable: {', '.join(unreadable)}: fix the permissions")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return Check(
+            "target",
+            False,
+            f"no tokenizer in {path} ({', '.join(TOKENIZER_FILES)}): copy the model's tokenizer files",
+        )
+    size = sum(w.stat().st_size for w in weights) / 2**30
+    return Check("target", True, f"{path}: {len(weights)} weight file(s), {size:.2f} GiB")
+
+
+def check_disk(run_dir: Path, min_free_gib: float = MIN_FREE_GIB) -> Check:
+    existing = Path(run_dir).absolute()
+    while not existing.exists():  # the run directory may not exist yet: judge the disk it will be on
+        existing = existing.parent
+    if not os.access(existing, os.W_OK):
+        return Check("disk", False, f"{existing} is not writable: choose run_dir=PATH on a writable disk")
+    free = shutil.disk_usage(existing).free / 2**30
+    if free < min_free_gib:
+        return Check(
+            "disk",
+            False,
+            f"{free:.1f} GiB free at {existing}, below {min_free_gib:g} GiB: free space or choose another run_dir",
+        )
+    return Check("disk", True, f"{free:.0f} GiB free at {existing}")
+
+
+def check_reaper() -> Check:
+    """Orphans (a detached job's supervisor, once it ends) are adopted by PID 1, which must reap them."""
+    from dflash_mp.launch import zombie_children
+
+    init = Path("/proc/1/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace") or "?"
+    zombies = zombie_children(1)
+    if zombies:  # a warning: only what ends detached is affected
+        return Check(
+            "reaper",
+            True,
+            f"warning: PID 1 ({init}) leaves {len(zombies)} orphan(s) <defunct>; so will a detached "
+            "job's supervisor once it ends: run containers with an init (docker run --init, tini)",
+        )
+    return Check("reaper", True, f"PID 1 ({init}): no unreaped orphans")
+
+
+def check_port(port: int) -> Check:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError as e:
+            return Check(
+                "port",
+                False,
+                f"port {port} is in use ({e.strerror}): pick a free one (--rdzv-endpoint HOST:PORT, MASTER_PORT)",
+            )
+    return Check("port", True, f"port {port} is free")

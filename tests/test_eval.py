@@ -1,0 +1,185 @@
+"""Speculative decoding with our drafter: exactness, statistics, sampling, training helps, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_mp.eval import (
+    AcceptanceEvaluator,
+    EvalError,
+    Prompt,
+    _rejection_sample,
+    autoregressive_generate,
+    evaluate_acceptance,
+    load_eval_prompts,
+    load_prompts,
+    main,
+    speculative_generate,
+    stop_token_ids,
+)
+from dflash_mp.export import export_drafter
+from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_mp.reference import reference_train
+from dflash_mp.trainer import build_drafter
+from tests.drafters import embedded_config, embedded_target, train_on_target_tokens
+
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def setup() -> dict:
+    cfg = embedded_config("data.num_anchors=32")
+    target, tokenizer = embedded_target(cfg)
+    prompts = load_eval_prompts(cfg, tokenizer)
+    trainer = train_on_target_tokens(cfg, target, tokenizer, prompts[:2], NEW_TOKENS, steps=150)
+    return {
+        "cfg": cfg,
+        "target": target,
+        "tokenizer": tokenizer,
+        "prompts": prompts,
+        "drafter": trainer.drafter.eval(),
+    }
+
+
+def test_greedy_speculative_decoding_is_exactly_target_greedy(setup: dict) -> None:
+    target, drafter, tokenizer = setup["target"], setup["drafter"], setup["tokenizer"]
+    stops = stop_token_ids(tokenizer, target)
+    for i, prompt in enumerate(setup["prompts"][:4]):
+        speculative = speculative_generate(drafter, target, prompt.input_ids, NEW_TOKENS, stops)
+        plain = autoregressive_generate(target, prompt.input_ids, NEW_TOKENS, stops)
+        hf = target.generate(
+            torch.tensor([prompt.input_ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=stops
+        )[0, len(prompt.input_ids) :].tolist()
+        assert speculative.new_tokens == plain.new_tokens == hf, prompt.source
+        if i < 2:  # trained on these: most tokens came from accepted drafts, not from the target
+            assert sum(speculative.acceptance_lengths) / len(speculative.acceptance_lengths) > 3
+
+
+def test_statistics_add_up(setup: dict) -> None:
+    prompts = setup["prompts"][:3]
+    drafter = setup["drafter"].train()  # evaluation must switch to eval mode and back
+    result = evaluate_acceptance(
+        drafter, setup["target"], setup["tokenizer"], prompts, NEW_TOKENS, baseline=True, per_prompt=True
+    )
+    assert drafter.training
+    assert result["matches_autoregressive"] is True
+    rounds = []
+    for entry in result["prompts"]:
+        # The prefill makes the first token; every verify forward adds its acceptance length.
+        assert 1 + sum(entry["acceptance_lengths"]) == len(entry["new_tokens"]) == NEW_TOKENS
+        rounds += entry["acceptance_lengths"]
+    assert result["tau"] == pytest.approx(sum(rounds) / len(rounds))
+    assert result["tokens_per_target_forward"] == pytest.approx(3 * NEW_TOKENS / (len(rounds) + 3))
+    assert sum(result["acceptance_length_counts"]) == len(rounds)
+    rates = result["acceptance_rate"]
+    assert len(rates) == drafter.block_size - 1 and rates[0] > 0.5
+    assert result["speedup"] > 0 and result["autoregressive_tokens_per_s"] > 0
+
+
+def test_rejection_sampling_emits_the_target_distribution() -> None:
+    # Speculative sampling must be exact: the first emitted token follows p whatever q proposes.
+    generator = torch.Generator().manual_seed(0)
+    target_probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    draft_probs = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    trials, counts = 20000, torch.zeros(4)
+    for _ in range(trials):
+        proposal = torch.multinomial(draft_probs[0], 1, generator=generator)
+        accepted, next_token = _rejection_sample(proposal, draft_probs, target_probs, generator)
+        counts[int(proposal) if accepted else next_token] += 1
+    assert torch.allclose(counts / trials, target_probs[0], atol=0.015)
+    # q == p: never rejected.
+    same = target_probs[:1]
+    assert all(_rejection_sample(torch.tensor([t]), same, target_probs, generator)[0] == 1 for t in (0, 1, 2))
+
+
+def test_sampled_decoding_is_seeded(setup: dict) -> None:
+    args = (setup["drafter"], setup["target"], setup["tokenizer"], setup["prompts"][:2], 24)
+    first = evaluate_acceptance(*args, temperature=0.8, seed=3, per_prompt=True)
+    again = evaluate_acceptance(*args, temperature=0.8, seed=3, per_prompt=True)
+    other = evaluate_acceptance(*args, temperature=0.8, seed=4, per_prompt=True)
+    tokens = [[p["new_tokens"] for p in result["prompts"]] for result in (first, again, other)]
+    assert tokens[0] == tokens[1] != tokens[2]
+    assert first["tau"] >= 1
+
+
+def test_tau_rises_when_trained_on_the_embedded_data(setup: dict) -> None:
+    """The embedded default (its regenerated data, the reference trainer), shortened to ~20 s.
+
+    Conservative bounds: the random target's greedy continuation is one cycle that text cannot
+    spell exactly (see dflash_mp.regenerate.RoundTripSafe), so short training moves greedy tau
+    only a little; sampled decoding (rejection sampling) shows the learning more steadily.
+    """
+    cfg = embedded_config("train.max_steps=300", "optim.lr=1e-2", "data.num_anchors=16")
+    args = (setup["target"], setup["tokenizer"], setup["prompts"], 64)
+    untrained, trained = build_drafter(cfg), reference_train(cfg).drafter
+    greedy = [evaluate_acceptance(d, *args)["tau"] for d in (untrained, trained)]
+    sampled = [evaluate_acceptance(d, *args, temperature=1.0)["tau"] for d in (untrained, trained)]
+    assert greedy[0] < 1.01 and greedy[1] > greedy[0] + 0.02, greedy
+    assert sampled[1] > sampled[0] + 0.08, sampled
+
+
+def test_evaluator_for_training_reads_the_config(setup: dict) -> None:
+    evaluator = AcceptanceEvaluator(
+        embedded_config("eval.num_prompts=3", "eval.max_new_tokens=16"), torch.device("cpu")
+    )
+    assert [p.source for p in evaluator.prompts] == [p.source for p in setup["prompts"][:3]]
+    result = evaluator(setup["drafter"])
+    assert result["num_prompts"] == 3 and result["new_tokens"] == 48 and result["tau"] > 1
+    # Checked when training starts, not at the first evaluation.
+    with pytest.raises(EvalError, match="context of 512 positions with max_new_tokens=600"):
+        AcceptanceEvaluator(embedded_config("eval.max_new_tokens=600"), torch.device("cpu"))
+
+
+# ----------------------------------------------------------------------------------------- bad input
+
+
+def test_an_empty_prompt_file_is_an_error(setup: dict, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(EvalError, match="no prompts in .*empty.jsonl"):
+        load_prompts([empty], setup["tokenizer"])
+    with pytest.raises(EvalError, match="cannot read"):
+        load_prompts([tmp_path / "missing.jsonl"], setup["tokenizer"])
+
+
+def test_a_malformed_record_names_its_line(setup: dict, tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "us\n')
+    with pytest.raises(EvalError, match=r"prompts.jsonl:2: malformed JSON"):
+        load_prompts([path], setup["tokenizer"])
+    path.write_text('{"messages": [{"role": "assistant", "content": "hi"}]}\n')
+    with pytest.raises(EvalError, match=r"prompts.jsonl:1: .*must end with a user turn"):
+        load_prompts([path], setup["tokenizer"])
+
+
+def test_prompts_longer_than_the_context_are_an_error(setup: dict) -> None:
+    context = setup["target"].config.max_position_embeddings
+    prompts = setup["prompts"][:2] + [Prompt("long.jsonl:7", [5] * (context - 10))]
+    with pytest.raises(EvalError, match=rf"do not fit the target's context of {context}.*long.jsonl:7"):
+        evaluate_acceptance(setup["drafter"], setup["target"], setup["tokenizer"], prompts, 16)
+
+
+def test_a_drafter_for_another_target_is_an_error(setup: dict) -> None:
+    bigger = {**setup["target"].config.to_dict(), "num_hidden_layers": 12}
+    drafter = DFlashDrafter(build_drafter_config(bigger, 2, [2, 9], block_size=8, mask_token_id=3))
+    with pytest.raises(EvalError, match=r"target_layer_ids \[2, 9\] include \[9\].*\[0, 5\]"):
+        evaluate_acceptance(drafter, setup["target"], setup["tokenizer"], setup["prompts"][:1], 8)
+
+
+# ----------------------------------------------------------------------------------------- command line
+
+
+def test_command_line_on_an_export(setup: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    export_dir = export_drafter(setup["drafter"], tmp_path / "export")
+    out = tmp_path / "eval.json"
+    assert main([str(export_dir), "--num-prompts", "2", "--max-new-tokens", "16", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["num_prompts"] == 2 and result["tau"] > 1 and result["matches_autoregressive"]
+    assert "tau (mean acceptance length)" in capsys.readouterr().out
+
+    assert main([str(tmp_path)]) == 2
+    assert "neither a run directory" in capsys.readouterr().err

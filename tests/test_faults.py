@@ -1,0 +1,199 @@
+"""Fault tolerance with real processes: a rank killed, raising, hanging or stopped, and a
+preempted job that resumes to the same weights.
+
+Every job runs `python -m dflash_mp.launch run` in its own session, as an operator would start
+it; each test bounds the time the job takes to end and checks that nothing of it is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_mp.config import compose_config, to_dataclass
+from dflash_mp.launch import EXIT_FAILED, group_members, job_processes, read_job_state
+from dflash_mp.watchdog import EXIT_HUNG, EXIT_PREEMPTED, FAULT_ENV, FAULT_EXIT_CODE, read_heartbeats
+from tests.conftest import REPO, job_env, read_metrics, run_train
+
+# Small and quick; logger.progress_every keeps the console quiet.
+FAST = ("train.micro_batch_size=1", "train.export=false", "logger.progress_every=1000")
+ROLES = {0: "target", 1: "target", 2: "drafter"}  # the default topology, 2t1d
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def leftovers(run_dir: Path, *pgids: int) -> list[int]:
+    """Processes of a job still there, zombies included: in the given process groups, in the
+    ranks' own groups (torchrun gives each rank its own session) or carrying the job's id."""
+    groups = set(pgids) | {beat["pid"] for beat in read_heartbeats(run_dir).values()}
+    found = {pid for pgid in groups for pid in group_members(pgid)}
+    job_id = read_job_state(run_dir).get("job_id")
+    return sorted(found | set(job_processes(job_id) if job_id else []))
+
+
+def last_lines(run_dir: Path, n: int) -> str:
+    return "\n".join((run_dir / "logs" / "job.log").read_text().splitlines()[-n:])
+
+
+class LaunchedJob:
+    """`python -m dflash_mp.launch run` in its own session (process group = its pid)."""
+
+    def __init__(self, run_dir: Path, *overrides: str, fault: str | None = None) -> None:
+        self.run_dir = run_dir
+        env = job_env() | ({FAULT_ENV: fault} if fault else {})
+        self.output = open(run_dir.parent / f"{run_dir.name}.out", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dflash_mp.launch", "run", f"run_dir={run_dir}", *FAST, *overrides],
+            cwd=REPO,
+            env=env,
+            stdout=self.output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def steps_done(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> None:
+        wait_until(lambda: self.steps_done() >= step or self.proc.poll() is not None, timeout, f"step {step}")
+        assert self.proc.poll() is None, f"the job ended early:\n{last_lines(self.run_dir, 30)}"
+
+    def rank_pid(self, rank: int) -> int:
+        return read_heartbeats(self.run_dir)[rank]["pid"]
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def assert_nothing_left(self) -> None:
+        wait_until(lambda: not leftovers(self.run_dir, self.proc.pid), 10, "the job's processes to go")
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        for pid in leftovers(self.run_dir, self.proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        self.output.close()
+
+
+@pytest.fixture
+def launch(tmp_path):
+    jobs: list[LaunchedJob] = []
+
+    def start(name: str, *overrides: str, fault: str | None = None) -> LaunchedJob:
+        jobs.append(LaunchedJob(tmp_path / name, *overrides, fault=fault))
+        return jobs[-1]
+
+    yield start
+    for job in jobs:
+        job.cleanup()
+
+
+@pytest.mark.parametrize("kind, code", [("raise", 1), ("exit", FAULT_EXIT_CODE), ("hang", EXIT_HUNG)])
+def test_fault_hook_and_in_process_watchdog(tmp_path, kind, code):
+    """DFLASH_MP_FAULT fires at the first heartbeat of its step; a hang ends with EXIT_HUNG."""
+    script = textwrap.dedent(f"""
+        from dflash_mp import watchdog
+        watchdog.start({str(tmp_path)!r}, rank=1, role="target", timeout_s=1.0)
+        watchdog.beat("tokenize", 2)
+        print("survived step 2", flush=True)
+        watchdog.beat("forward", 3)
+        print("survived step 3", flush=True)
+    """)
+    env = job_env() | {FAULT_ENV: f"rank=1,step=3,kind={kind}"}
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == code, proc.stderr
+    assert "survived step 2" in proc.stdout and "survived step 3" not in proc.stdout
+    if kind == "raise":
+        assert "RuntimeError: injected fault at step 3 in phase 'forward'" in proc.stderr
+    if kind == "hang":
+        assert time.monotonic() - started < 20
+        log = last_lines(tmp_path, 20)
+        assert "watchdog: rank 1 (target) no progress for" in log and "in phase 'forward' at step 3" in log
+        assert "in fire" in log  # the main thread's stack shows where it hangs
+        assert read_heartbeats(tmp_path)[1]["state"] == "hung"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 2], ids=["target", "drafter"])
+def test_sigkill_of_a_rank_ends_the_whole_job(launch, rank):
+    job = launch(f"kill{rank}", "train.max_steps=1000")
+    job.wait_for_step(2)
+    os.kill(job.rank_pid(rank), signal.SIGKILL)
+    killed = time.monotonic()
+    assert job.wait(timeout=60) == EXIT_FAILED
+    assert time.monotonic() - killed < 30
+    job.assert_nothing_left()
+    assert f"first failure: rank {rank} ({ROLES[rank]}) died without a Python traceback" in last_lines(
+        job.run_dir, 1
+    )
+
+
+@pytest.mark.slow
+def test_an_exception_in_a_rank_ends_the_job_with_its_traceback_last(launch):
+    job = launch("raise", "train.max_steps=1000", fault="rank=1,step=2,kind=raise")
+    assert job.wait(timeout=180) == EXIT_FAILED
+    job.assert_nothing_left()
+    tail = last_lines(job.run_dir, 25)
+    assert "Traceback (most recent call last)" in tail
+    assert "RuntimeError: injected fault at step" in tail
+    assert "first failure: rank 1 (target) raised RuntimeError: injected fault" in last_lines(job.run_dir, 1)
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_caught_by_the_launcher_watchdog(launch):
+    timeout_s = 10
+    job = launch("sigstop", "train.max_steps=1000", f"watchdog.timeout_s={timeout_s}")
+    job.wait_for_step(2)
+    os.kill(job.rank_pid(1), signal.SIGSTOP)  # its heartbeat thread cannot run: only the launcher sees it
+    stopped = time.monotonic()
+    assert job.wait(timeout=timeout_s + 60) == EXIT_HUNG
+    assert time.monotonic() - stopped < timeout_s + 30
+    job.assert_nothing_left()
+    last = last_lines(job.run_dir, 1)
+    assert "job HUNG" in last and "rank 1 (target) hung in phase" in last and "stopped or frozen" in last
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_the_resumed_job_ends_with_the_uninterrupted_weights(launch):
+    steps = 60
+    args = (f"train.max_steps={steps}", "train.checkpoint_every=0")
+    job = launch("preempted", *args)
+    job.wait_for_step(3)
+    os.killpg(job.proc.pid, signal.SIGTERM)  # as SLURM and `launch stop` do: torchrun passes it on
+    assert job.wait(timeout=120) == EXIT_PREEMPTED
+    job.assert_nothing_left()
+    stopped_at = json.loads((job.run_dir / "PREEMPTED").read_text())["step"]
+    assert 3 <= stopped_at < steps
+    assert (job.run_dir / "checkpoints" / f"step_{stopped_at:08d}" / "drafter.safetensors").is_file()
+    assert "job PREEMPTED: exit code 75" in last_lines(job.run_dir, 1)
+
+    run_train(job.run_dir, *FAST, *args, "train.resume=true")
+    assert [r["step"] for r in read_metrics(job.run_dir)] == list(range(1, steps + 1))
+    resumed = load_file(job.run_dir / "checkpoints" / f"step_{steps:08d}" / "drafter.safetensors")
+    from dflash_mp.reference import reference_train
+
+    expected = reference_train(to_dataclass(compose_config([*FAST, *args]))).drafter.state_dict()
+    assert resumed.keys() == expected.keys()
+    for name in resumed:
+        assert torch.equal(resumed[name], expected[name]), name

@@ -1,0 +1,265 @@
+"""The launcher: preflight before any worker starts, detached jobs operated with status and
+stop, the multi-node path on loopback, and Hydra sweeps of whole jobs."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dflash_mp import doctor, launch
+from dflash_mp.config import compose_config
+from dflash_mp.embedded import embedded_path
+from dflash_mp.watchdog import EXIT_PREEMPTED
+from tests.conftest import REPO, job_env, read_metrics
+from tests.test_faults import FAST, last_lines, leftovers, wait_until
+
+
+def launch_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_mp.launch", *args],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("entry", ["dflash_mp.train", "dflash_mp.launch run"])
+def test_a_bad_config_fails_before_any_worker_naming_every_field(tmp_path, entry):
+    run = tmp_path / "bad"
+    bad = ("train.micro_batch_size=0", f"data.train_files=[{tmp_path / 'missing.jsonl'}]")
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", *entry.split(), f"run_dir={run}", *bad],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == launch.EXIT_PREFLIGHT, proc.stderr
+    assert time.monotonic() - started < 15
+    for field in ("train.micro_batch_size=0", "data.train_files[0]="):
+        assert field in proc.stderr
+        assert field in last_lines(run, 1)  # the job log ends with the outcome, naming the field
+    assert f"RUN_DIR={run}" in proc.stdout
+    # No worker ever started: no torchrun logs, no rank logs, no heartbeats.
+    assert not (run / "logs" / "torchrun").exists() and not (run / "heartbeats").exists()
+    assert not list((run / "logs").glob("rank*.log"))
+    assert launch.read_job_state(run)["exit_code"] == launch.EXIT_PREFLIGHT
+
+
+def test_doctor_names_a_busy_port_and_a_target_without_weights(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text((embedded_path("target") / "config.json").read_text())
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        checks = doctor.preflight(
+            compose_config([f"model.target_path={target}"]), tmp_path / "run", port=busy.getsockname()[1]
+        )
+    failed = {c.name: c.message for c in doctor.failed(checks)}
+    assert set(failed) == {"target", "port"}, failed
+    assert "no *.safetensors or *.bin weights" in failed["target"]
+    assert "is in use" in failed["port"]
+    assert {c.name for c in checks} >= {"imports", "config", "devices", "backends", "disk"}
+
+
+def _heartbeat(run_dir, stop_requested: str | None) -> None:
+    (run_dir / "heartbeats").mkdir()
+    now = time.time()
+    beat = dict(rank=0, role="target", host=socket.gethostname(), pid=os.getpid(), state="running")
+    beat |= dict(phase="forward", step=1, progress_at=now, written_at=now, timeout_s=0.0)
+    beat |= dict(stop_requested=stop_requested, error=None)
+    (run_dir / "heartbeats" / "rank0.json").write_text(json.dumps(beat))
+
+
+@pytest.mark.parametrize("ranks_got_it", [False, True])
+def test_the_supervisor_passes_sigterm_on_only_when_no_rank_got_it(tmp_path, monkeypatch, ranks_got_it):
+    """`kill SUPERVISOR` or `docker stop` reach the supervisor alone: it passes the signal on to
+    torchrun. A signal to the whole process group reached torchrun already: no second one."""
+    monkeypatch.setattr(launch, "FORWARD_AFTER_S", 0.0)
+    _heartbeat(tmp_path, "SIGTERM" if ranks_got_it else None)
+    agent = subprocess.Popen(["sleep", "60"])
+    try:
+        monitor = launch.JobMonitor(tmp_path, agent, job_id="none")
+        monitor.on_signal(signal.SIGTERM, None)
+        monitor.poll()
+        if ranks_got_it:
+            time.sleep(0.5)
+            assert agent.poll() is None
+        else:
+            assert agent.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def _steps_done(run) -> int:
+    return len(read_metrics(run)) if (run / "metrics.jsonl").exists() else 0
+
+
+@pytest.fixture
+def adopt_orphans():
+    """This process adopts orphans and must reap them, as an init that reaps does (docker --init)."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl(launch.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    yield
+    prctl(launch.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+@pytest.mark.slow
+def test_a_detached_job_outlives_its_shell_and_obeys_status_and_stop(tmp_path, adopt_orphans):
+    run = tmp_path / "detached"
+    args = [f"run_dir={run}", "train.max_steps=100000", "topology.targets=1", "topology.drafters=1", *FAST]
+    # A login shell in its own session, as over ssh: it starts the job and exits at once.
+    shell = subprocess.Popen(
+        ["bash", "-c", f"{sys.executable} -m dflash_mp.launch start {' '.join(args)}; exit"],
+        cwd=REPO,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    out, err = shell.communicate(timeout=60)
+    state = launch.read_job_state(run)
+    try:
+        assert shell.returncode == 0, err
+        assert f"RUN_DIR={run}" in out and "started: supervisor pid" in out
+        supervisor = state["pid"]
+        assert supervisor == state["pgid"] == os.getsid(supervisor)  # its own session and group
+        with pytest.raises(ProcessLookupError):  # the hang-up of the shell's group reaches nothing of it
+            os.killpg(shell.pid, signal.SIGHUP)
+
+        wait_until(lambda: _steps_done(run) >= 3, 120, "training to start")
+        before = _steps_done(run)
+        wait_until(lambda: _steps_done(run) > before + 2, 60, "training to go on without its shell")
+
+        status = launch_cli("status", str(run))
+        assert status.returncode == 0, status.stderr
+        for line in ("state:      running", "last step:", "heartbeat:  last", "rank 1 drafter", "job.log"):
+            assert line in status.stdout, status.stdout
+
+        stop = launch_cli("stop", str(run), timeout=180)
+        assert stop.returncode == 0 and "preempted: exit code 75" in stop.stdout, stop.stdout + stop.stderr
+        # Adopted by this process, the supervisor has ended: reaping it here leaves no zombie.
+        _, status_word = os.waitpid(supervisor, 0)
+        assert os.waitstatus_to_exitcode(status_word) == EXIT_PREEMPTED
+        wait_until(lambda: not leftovers(run, supervisor), 10, "the job's processes to go")
+        assert (run / "PREEMPTED").exists()
+        after = launch_cli("status", str(run)).stdout
+        assert "state:      preempted" in after and "exit code:  75" in after
+    finally:
+        for pid in leftovers(run, state.get("pgid") or 0):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_on_loopback_train_as_two_nodes(tmp_path):
+    """The multi-node path on one machine: 2 + 1 processes in one c10d rendezvous = 2t1d."""
+    run, port = tmp_path / "two-nodes", _free_port()
+    job = [f"run_dir={run}", "topology.targets=2", "topology.drafters=1", "train.max_steps=4", *FAST]
+    rendezvous = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=loop"]
+    outputs = [open(tmp_path / f"node{i}.out", "w") for i in range(2)]  # noqa: SIM115
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc-per-node={nproc}"]
+            + ["--max-restarts=0", "--monitor-interval=0.2", "-m", "dflash_mp.train", *job],
+            cwd=REPO,
+            env=job_env(),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for nproc, output in zip((2, 1), outputs, strict=True)
+    ]
+    try:
+        codes = [node.wait(timeout=240) for node in nodes]
+    finally:
+        for node, output in zip(nodes, outputs, strict=True):
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
+            output.close()
+    logs = "".join((tmp_path / f"node{i}.out").read_text()[-3000:] for i in range(2))
+    assert codes == [0, 0], logs
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
+    assert {p.name for p in (run / "logs").glob("rank*.log")} == {
+        "rank0-target.log",
+        "rank1-target.log",
+        "rank2-drafter.log",
+    }
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_each_job_as_its_own_torchrun_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_mp.train", "-m", "optim.lr=1e-4,6e-4", "train.max_steps=2"]
+        + ["topology.targets=1", "topology.drafters=1", *FAST],
+        cwd=REPO,
+        env=job_env() | {"DFLASH_SWEEP_DIR": str(sweep)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    job_ids = set()
+    for num, lr in enumerate(("0.0001", "0.0006")):
+        run = sweep / str(num)
+        assert f"lr: {lr}" in (run / "config.yaml").read_text()
+        assert [r["step"] for r in read_metrics(run)] == [1, 2]
+        assert "job succeeded: exit code 0" in last_lines(run, 1)
+        job_ids.add(launch.read_job_state(run)["job_id"])
+    assert len(job_ids) == 2
+
+
+@pytest.mark.slow
+def test_the_sbatch_script_trains_with_stand_ins_for_srun_and_scontrol(tmp_path):
+    """launch/slurm.sbatch as SLURM would run it on one node of 2 "GPUs" (1t1d)."""
+    bin_dir, run = tmp_path / "bin", tmp_path / "slurm-run"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$1 $2" = "show hostnames" ] && echo localhost\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    slurm = dict(
+        SLURM_JOB_ID="4242", SLURM_JOB_NAME="dflash", SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost"
+    )
+    env = job_env() | slurm | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable}
+    env |= {"GPUS_PER_NODE": "2", "RUN_DIR": str(run), "PORT": str(_free_port())}
+    proc = subprocess.run(
+        [
+            "bash",
+            "launch/slurm.sbatch",
+            "topology.targets=1",
+            "topology.drafters=1",
+            "train.max_steps=3",
+            *FAST,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+    assert "job succeeded: exit code 0" in last_lines(run, 1)
