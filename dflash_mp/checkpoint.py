@@ -31,17 +31,13 @@ class TrainingState:
     rng: dict
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's entry to disk (before a rename makes it visible)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
 
 
 def rng_state() -> dict:
@@ -72,12 +68,12 @@ def save(checkpoint_dir: str | Path, state: TrainingState, keep: int) -> Path:
     torch.save({"optimizer": state.optimizer, "rng": state.rng}, tmp / "optimizer.pt")
     (tmp / "meta.json").write_text(json.dumps({"step": state.step, "format": 1}))
     for name in ("drafter.safetensors", "optimizer.pt", "meta.json"):
-        _fsync_file(tmp / name)
-    _fsync_dir(tmp)
+        fsync_path(tmp / name)
+    fsync_path(tmp)
     if final.exists():  # a re-save of the same step (e.g. after a resume) replaces the old one
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_path(root)
     for old in complete_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

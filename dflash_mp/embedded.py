@@ -28,7 +28,7 @@ DATA_FILES = ("data/train.jsonl", "data/eval.jsonl")
 # The training prompts answered by the target (dflash_mp.regenerate); not part of the target's digest.
 REGENERATED_DATA = "data/train_regenerated.jsonl"
 # Bump when the build recipe changes; the data digest is appended, so new data gives a new target.
-TARGET_VERSION = "embedded-target-v2"
+TARGET_VERSION = "embedded-target-v3"
 TARGET_SEED = 1234
 DATA_SEED = 20240601
 MAX_TOKENS = 128
@@ -36,9 +36,18 @@ MAX_TOKENS = 128
 IM_START, IM_END, PAD, MASK, UNK = "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|MASK|>", "<unk>"
 # Fixed order: these become token ids 0..4.
 SPECIAL_TOKENS = (PAD, IM_START, IM_END, MASK, UNK)
-# GPT-style word pieces: a word or one punctuation mark with an optional leading space, or one
-# whitespace character. Word-level tokens keep conversations short and decoding lossless.
-PIECE_PATTERN = r" ?\w+| ?[^\w\s]|\s"
+# Word-level tokens that are invertible on token sequences: encode(decode(ids)) == ids for any ids.
+# Every word (a run of letters, digits, _) carries SentencePiece's word-boundary marker in front, so
+# no two tokens can glue into one word when decoded; punctuation marks and the newline are tokens of
+# their own. Encoding turns spaces into the marker and adds one before a word that starts the text
+# or a line (or follows a special token); decoding drops exactly that one and turns the others back
+# into spaces. Word-level tokens keep conversations short and decoding lossless.
+BOUNDARY = "\u2581"
+# After normalization: a word with its boundary, a boundary alone (a space before punctuation or
+# another space), or any other single character.
+PIECE_PATTERN = rf"{BOUNDARY}?\w+|{BOUNDARY}|[^\w{BOUNDARY}]"
+# Where a word starts the text or a line: the boundary the encoder adds and the decoder drops.
+LINE_START = r"(?:\A|(?<=\n))"
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -119,22 +128,34 @@ def ensure_target(force: bool = False) -> Path:
 
 def build_tokenizer(conversations: list[list[dict[str, str]]]) -> Any:
     """A word-level PreTrainedTokenizerFast whose vocabulary is every piece of `conversations`."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     counts = Counter(
-        piece
-        for messages in conversations
-        for text in _render_chat(messages)
-        for piece in re.findall(PIECE_PATTERN, text)
+        piece for messages in conversations for text in _render_chat(messages) for piece in pieces(text)
     )
     # Ties broken by the piece itself, so the vocabulary is the same on every machine.
-    pieces = sorted(counts, key=lambda piece: (-counts[piece], piece))
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(pieces))}
+    ordered = sorted(counts, key=lambda piece: (-counts[piece], piece))
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(ordered))}
 
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # The text between special tokens is normalized on its own, so \A also matches after each of them.
+    backend.normalizer = normalizers.Sequence(
+        [
+            normalizers.Replace(Regex(rf"{LINE_START}(?=\w)"), BOUNDARY),
+            normalizers.Replace(" ", BOUNDARY),
+        ]
+    )
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE_PATTERN), behavior="isolated")
-    backend.decoder = decoders.Fuse()
+    # Decoding sees the special tokens (unless skipped) but not where the text was cut around them.
+    after_special = "|".join(re.escape(token) for token in SPECIAL_TOKENS)
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Fuse(),
+            decoders.Replace(Regex(rf"(?:\A|(?<=\n|{after_special})){BOUNDARY}(?=\w)"), ""),
+            decoders.Replace(BOUNDARY, " "),
+        ]
+    )
     backend.add_special_tokens(list(SPECIAL_TOKENS))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -147,6 +168,12 @@ def build_tokenizer(conversations: list[list[dict[str, str]]]) -> Any:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def pieces(text: str) -> list[str]:
+    """The tokens of text without special tokens: the tokenizer's normalizer and pre-tokenizer in Python."""
+    normalized = re.sub(rf"{LINE_START}(?=\w)", BOUNDARY, text).replace(" ", BOUNDARY)
+    return re.findall(PIECE_PATTERN, normalized)
 
 
 def build_target(out_dir: Path) -> None:
@@ -279,7 +306,7 @@ def _conversation(rng: random.Random) -> list[dict[str, str]]:
 
 def _num_tokens(messages: list[dict[str, str]]) -> int:
     """Token count under the embedded tokenizer: <|im_start|> and <|im_end|> per turn, plus the pieces."""
-    return 2 * len(messages) + sum(len(re.findall(PIECE_PATTERN, part)) for part in _render_chat(messages))
+    return 2 * len(messages) + sum(len(pieces(part)) for part in _render_chat(messages))
 
 
 def generate_conversations(count: int, rng: random.Random) -> list[list[dict[str, str]]]:

@@ -22,18 +22,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
+from dflash_mp.checkpoint import fsync_path
 from dflash_mp.models.drafter import DFlashDrafter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _config_json(drafter: DFlashDrafter, dtype: torch.dtype) -> str:
@@ -65,7 +58,7 @@ def export_drafter(
         (staging / CONFIG_NAME).write_text(_config_json(drafter, saved_dtype))
         save_file(state, staging / WEIGHTS_NAME, metadata={"format": "pt"})
         for path in (staging / CONFIG_NAME, staging / WEIGHTS_NAME, staging):
-            _fsync(path)
+            fsync_path(path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -82,7 +75,7 @@ def export_drafter(
             os.replace(previous, out_dir)
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _fsync(out_dir.parent)
+    fsync_path(out_dir.parent)
     if previous is not None:
         shutil.rmtree(previous, ignore_errors=True)
     return out_dir

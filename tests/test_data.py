@@ -87,7 +87,7 @@ def test_assistant_mask_is_exact_on_multi_turn_with_system(tokenizer: Any) -> No
     assert input_ids == expected_ids
     assert loss_mask == expected_mask
     learned = tokenizer.convert_ids_to_tokens([t for t, m in zip(input_ids, loss_mask, strict=True) if m])
-    assert learned == ["3", " 4", " 5", ".", "<|im_end|>", "c", " a", " t", "<|im_end|>"]
+    assert learned == ["▁3", "▁4", "▁5", ".", "<|im_end|>", "▁c", "▁a", "▁t", "<|im_end|>"]
 
 
 # Like real Qwen3 templates: contents are trimmed, and only turns after the last user message get a
@@ -118,7 +118,7 @@ def test_mask_follows_a_template_that_trims_and_moves_think_blocks(tokenizer: An
     )
     input_ids, loss_mask = tokenize_chat(tokenizer, messages, max_length=128)
     learned = tokenizer.convert_ids_to_tokens([t for t, m in zip(input_ids, loss_mask, strict=True) if m])
-    assert learned == ["3", " 4", " 5", ".", "<|im_end|>", "c", " a", " t", "<|im_end|>"]
+    assert learned == ["▁3", "▁4", "▁5", ".", "<|im_end|>", "▁c", "▁a", "▁t", "<|im_end|>"]
 
     rewritten = record(("user", "Spell cat."), ("assistant", "<think>hmm</think>c a t"))
     with pytest.raises(BadRecord, match="reasoning_content"):

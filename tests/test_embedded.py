@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -98,6 +99,44 @@ def test_tokenizer_special_tokens_and_chat_template(target: Path) -> None:
     ids = tokenizer(prompt, add_special_tokens=False).input_ids
     assert tokenizer.unk_token_id not in ids
     assert tokenizer.decode(ids) == prompt  # word-level but lossless
+
+
+def test_tokenizer_is_invertible_on_token_sequences(target: Path) -> None:
+    """Data is stored as text: whatever ids the target generates must come back from their text."""
+    tokenizer = load_tokenizer(target)
+    special = tokenizer.convert_tokens_to_ids(list(embedded.SPECIAL_TOKENS))
+    words = [i for i in range(len(tokenizer)) if i not in special]
+    assert 100 < len(words) < 400
+    role = dict(
+        zip(
+            ("system", "user", "assistant"),
+            tokenizer.convert_tokens_to_ids(
+                [embedded.BOUNDARY + name for name in ("system", "user", "assistant")]
+            ),
+            strict=True,
+        )
+    )
+    newline, im_start, im_end = tokenizer.convert_tokens_to_ids(["\n", embedded.IM_START, embedded.IM_END])
+
+    def round_trip(ids: list[int]) -> list[int]:
+        return tokenizer(tokenizer.decode(ids), add_special_tokens=False).input_ids
+
+    rng = random.Random(0)
+    for _ in range(500):
+        ids = rng.choices(words, k=rng.randint(1, 40))
+        assert round_trip(ids) == ids, tokenizer.convert_ids_to_tokens(ids)
+        assert tokenizer.decode(ids, skip_special_tokens=True) == tokenizer.decode(ids)
+        mixed = rng.choices(words + special, k=rng.randint(1, 40))  # special tokens anywhere
+        assert round_trip(mixed) == mixed, tokenizer.convert_ids_to_tokens(mixed)
+    for _ in range(200):  # as the chat template places them, with any content (even empty)
+        ids = []
+        for name in rng.choices(list(role), k=rng.randint(1, 4)):
+            content = rng.choices(words, k=rng.randint(0, 20))
+            ids += [im_start, role[name], newline, *content, im_end, newline]
+        assert round_trip(ids) == ids, tokenizer.convert_ids_to_tokens(ids)
+    # Two words never glue into one (" bird" + "hill" used to decode to one unknown word).
+    bird, hill = tokenizer.convert_tokens_to_ids([embedded.BOUNDARY + "bird", embedded.BOUNDARY + "hill"])
+    assert tokenizer.decode([newline, bird, hill, newline, hill]) == "\nbird hill\nhill"
 
 
 def test_bundled_data_is_committed_and_fits(target: Path) -> None:

@@ -176,7 +176,7 @@ def test_a_stopped_rank_is_caught_by_the_launcher_watchdog(launch):
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_the_resumed_job_ends_with_the_uninterrupted_weights(launch):
-    steps = 60
+    steps = 400  # long enough that the job is still running when SIGTERM comes
     args = (f"train.max_steps={steps}", "train.checkpoint_every=0")
     job = launch("preempted", *args)
     job.wait_for_step(3)
