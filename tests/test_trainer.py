@@ -1,0 +1,67 @@
+"""The drafter's optimizer step: schedule, non-finite handling, metrics without secrets."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dflash_mp.config import compose_config, to_dataclass
+from dflash_mp.data import JsonlIndex
+from dflash_mp.roles import features_of, hidden_states_for_drafter, make_feature_extractor, make_reader
+from dflash_mp.trainer import DrafterTrainer, lr_at
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    lrs = [lr_at(s, 100, 1e-3, 0.04, 0.1) for s in range(100)]
+    assert lrs[0] == pytest.approx(2.5e-4) and lrs[3] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:], strict=False))
+    assert lrs[-1] == pytest.approx(1e-4, rel=1e-2)
+
+
+def _micro_batch(cfg):
+    reader = make_reader(cfg, JsonlIndex(list(cfg.data.train_files)))
+    extractor = make_feature_extractor(cfg, torch.float32, torch.device("cpu"))
+    batch = reader.read(0)
+    return features_of(batch, hidden_states_for_drafter(extractor, batch, torch.float32, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_a_non_finite_loss_skips_the_step_or_stops_naming_it(policy):
+    cfg = to_dataclass(compose_config(["train.max_steps=4", f"train.on_nonfinite={policy}"]))
+    trainer = DrafterTrainer(cfg, torch.device("cpu"), total_steps=4)
+    batch = _micro_batch(cfg)
+    trainer.micro_step(batch, last_of_step=True)
+    assert not trainer.optimizer_step()["skipped"]
+    before = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+    batch.hidden_states[0, 0, 0] = math.nan
+    trainer.micro_step(batch, last_of_step=True)
+    if policy == "stop":
+        with pytest.raises(FloatingPointError, match="at step 2.*train.on_nonfinite=skip"):
+            trainer.optimizer_step()
+        return
+    record = trainer.optimizer_step()
+    assert record["skipped"] and record["step"] == 2
+    for name, value in trainer.drafter.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert all(p.grad is None for p in trainer.drafter.parameters())
+
+
+def test_wandb_runs_offline_and_never_writes_the_api_key(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from dflash_mp.metrics import MetricsLogger
+
+    secret = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = to_dataclass(compose_config(["logger=wandb"]))
+    assert cfg.logger.mode == "offline"
+    metrics = MetricsLogger(tmp_path, 2, 0, cfg.logger, {"optim": {"lr": 1e-3}})
+    for step in (1, 2):
+        metrics.log({"step": step, "loss": 1.0 / step, "lr": 1e-3, "samples_per_s": 1.0, "acc": [0.5]})
+    metrics.close()
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert any("wandb" in p.parts for p in files)  # an offline run was written for `wandb sync`
+    for path in files:
+        assert secret.encode() not in path.read_bytes(), path
