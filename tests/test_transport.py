@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -24,24 +25,32 @@ def _micro_batch(m: int, batch: int, seq: int):
     return ids, mask, lengths, sample_ids, hidden
 
 
-def _worker(rank: int, init_file: str, results) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    meta = dist.new_group(backend="gloo")
-    cpu = torch.device("cpu")
+def _worker(rank: int, init_file: str, results, backend: str) -> None:
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    kwargs = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=2, **kwargs)
+    meta = dist.new_group(backend="gloo")  # headers always travel on the CPU
     if rank == 0:
-        sender = Sender(meta, None, cpu, max_inflight=1)
+        sender = Sender(meta, None, device, max_inflight=1)
         for m, (batch, seq) in enumerate(SHAPES):
             ids, mask, lengths, sample_ids, hidden = _micro_batch(m, batch, seq)
             sender.send_header(
                 1, m, epoch=3, batch=batch, seq=seq, feat=FEATURES, dtype=hidden.dtype, bad=m % 2
             )
-            sender.send_tensors(1, pack_tokens(ids, mask, lengths, sample_ids), hidden)
+            sender.send_tensors(1, pack_tokens(ids, mask, lengths, sample_ids), hidden.to(device))
         sender.send_end_of_data(1, len(SHAPES))
         sender.close()
     else:
-        receiver = Receiver(meta, None, cpu, range(len(SHAPES) + 1), source_of=lambda m: 0)
+        receiver = Receiver(meta, None, device, range(len(SHAPES) + 1), source_of=lambda m: 0)
         for m, (batch, seq) in enumerate(SHAPES):
             got = receiver.next()
+            assert got.hidden_states.device == device
+            got.input_ids, got.loss_mask, got.lengths, got.sample_ids, got.hidden_states = (
+                t.cpu()
+                for t in (got.input_ids, got.loss_mask, got.lengths, got.sample_ids, got.hidden_states)
+            )
             ids, mask, lengths, sample_ids, hidden = _micro_batch(m, batch, seq)
             assert got.index == m and got.epoch == 3 and not got.end_of_data and got.bad_records == m % 2
             assert torch.equal(got.input_ids, ids) and torch.equal(got.loss_mask, mask)
@@ -54,13 +63,26 @@ def _worker(rank: int, init_file: str, results) -> None:
     dist.destroy_process_group()
 
 
-def test_micro_batches_of_varying_shapes_arrive_intact(tmp_path):
+def _exchange(tmp_path, backend: str) -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_worker, args=(str(tmp_path / "init"), results), nprocs=2, start_method="spawn")
+    mp.start_processes(
+        _worker, args=(str(tmp_path / "init"), results, backend), nprocs=2, start_method="spawn"
+    )
     expected = sum(b * (2 * s + 2) * 8 + b * s * FEATURES * 2 for b, s in SHAPES)
     assert results.get(timeout=5) == expected
+
+
+def test_micro_batches_of_varying_shapes_arrive_intact(tmp_path):
+    _exchange(tmp_path, "gloo")
+
+
+@pytest.mark.gpu
+def test_the_same_transport_over_nccl(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    _exchange(tmp_path, "nccl")
 
 
 def test_token_packing_round_trip():
