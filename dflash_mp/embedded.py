@@ -28,8 +28,12 @@ DATA_FILES = ("data/train.jsonl", "data/eval.jsonl")
 # The training prompts answered by the target (dflash_mp.regenerate); not part of the target's digest.
 REGENERATED_DATA = "data/train_regenerated.jsonl"
 # Bump when the build recipe changes; the data digest is appended, so new data gives a new target.
-TARGET_VERSION = "embedded-target-v3"
-TARGET_SEED = 1234
+TARGET_VERSION = "embedded-target-v4"
+# A random target's behaviour is the luck of its seed. This one (as 1234 did for v2, whose vocabulary
+# differed) gives greedy continuations of every bundled eval prompt that run past 64 tokens with no
+# stop or other special token, so speculative decoding of those prompts is measured at full length;
+# 1234 (v3) stops on a third of them within 48 tokens.
+TARGET_SEED = 1238
 DATA_SEED = 20240601
 MAX_TOKENS = 128
 

@@ -44,3 +44,25 @@ def reference_train(cfg: RootConfig, device: torch.device | str = "cpu", on_step
         if on_step is not None:
             on_step(record)
     return trainer
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m dflash_mp.reference [key=value ...]`: train in one process, print the loss curve."""
+    import sys
+
+    from dflash_mp.config import compose_config, to_dataclass, validate
+
+    cfg = to_dataclass(compose_config(sys.argv[1:] if argv is None else argv))
+    validate(cfg)
+    records: list[dict] = []
+    reference_train(cfg, on_step=records.append)
+    window = max(1, min(20, len(records) // 10))
+    first = sum(r["loss"] for r in records[:window]) / window
+    last = sum(r["loss"] for r in records[-window:]) / window
+    for r in records[:: max(1, len(records) // 10)] + records[-1:]:
+        print(f"step {r['step']:5d}  loss {r['loss']:.4f}  acc@1 {r['acc'][0]:.3f}")
+    print(f"mean loss over the first {window} steps {first:.4f} -> last {window} steps {last:.4f}")
+
+
+if __name__ == "__main__":
+    main()

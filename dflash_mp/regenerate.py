@@ -201,9 +201,10 @@ class RoundTripSafe:
 
     Records are stored as text and tokenized again by the trainer, so a response is only the
     target's own token sequence if decode -> encode gives back the same ids. Real BPE tokenizers
-    almost always do; the embedded word-level one does not (" bird" + "hill" decodes to " birdhill",
-    one unknown word), and without this constraint most regenerated tokens would reach the drafter
-    as <unk>. Pairs suffice for pre-tokenizers that split text on local patterns; the summary's
+    almost always do, and so does the embedded one (built to be invertible), except for special
+    tokens that text cannot carry: those are what this blocks there. A tokenizer that merges
+    across tokens (" bird" + "hill" -> " birdhill", one unknown word) would otherwise hand the
+    drafter <unk> where the target wrote words. Pairs suffice for pre-tokenizers that split text on local patterns; the summary's
     same_tokens_fraction checks it. The allowed set is built per distinct previous token with one
     pass over the vocabulary, which suits small vocabularies only.
     """

@@ -109,17 +109,16 @@ def test_sampled_decoding_is_seeded(setup: dict) -> None:
 def test_tau_rises_when_trained_on_the_embedded_data(setup: dict) -> None:
     """The embedded default (its regenerated data, the reference trainer), shortened to ~20 s.
 
-    Conservative bounds: the random target's greedy continuation is one cycle that text cannot
-    spell exactly (see dflash_mp.regenerate.RoundTripSafe), so short training moves greedy tau
-    only a little; sampled decoding (rejection sampling) shows the learning more steadily.
+    Conservative bounds: greedy tau measured 3.7-4.9 over train.seed 0-2 (untrained 1.00). Sampled
+    tau gains only +0.04-0.17: the data was sampled at temperature 0.3, far from temperature 1.
     """
     cfg = embedded_config("train.max_steps=300", "optim.lr=1e-2", "data.num_anchors=16")
     args = (setup["target"], setup["tokenizer"], setup["prompts"], 64)
     untrained, trained = build_drafter(cfg), reference_train(cfg).drafter
     greedy = [evaluate_acceptance(d, *args)["tau"] for d in (untrained, trained)]
     sampled = [evaluate_acceptance(d, *args, temperature=1.0)["tau"] for d in (untrained, trained)]
-    assert greedy[0] < 1.01 and greedy[1] > greedy[0] + 0.02, greedy
-    assert sampled[1] > sampled[0] + 0.08, sampled
+    assert greedy[0] < 1.01 and greedy[1] > 2.5, greedy
+    assert sampled[1] > sampled[0], sampled
 
 
 def test_evaluator_for_training_reads_the_config(setup: dict) -> None:
