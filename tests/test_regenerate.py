@@ -80,10 +80,10 @@ def test_assistant_turns_are_the_targets_greedy_answers(target: Path, data: Path
 
 
 def test_round_trip_safe_answers_retokenize_to_the_same_ids(target: Path, data: Path, tmp_path: Path) -> None:
-    # The embedded word-level tokenizer cannot spell most free generations: " bird" + "hill"
-    # decodes to " birdhill", which is one unknown word.
-    free = regenerate([data], tmp_path / "free.jsonl", target, _settings(max_new_tokens=40))
-    assert free is not None and free["same_tokens_fraction"] < 0.5
+    # Sampled freely, the target writes special tokens (<|MASK|>, <|im_start|>, ...) inside answers;
+    # text cannot carry them, so those answers do not come back as the same ids.
+    free = regenerate([data], tmp_path / "free.jsonl", target, _settings(max_new_tokens=40, temperature=1.0))
+    assert free is not None and free["same_tokens_fraction"] < 1.0
     safe = regenerate(
         [data],
         tmp_path / "safe.jsonl",
