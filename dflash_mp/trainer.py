@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_mp import checkpoint
-from dflash_mp.block_diffusion import drafter_loss
+from dflash_mp.block_diffusion import drafter_loss, per_position_accuracy
 from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
 from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
 from dflash_mp.models.target import load_embedding_and_head
@@ -222,9 +222,7 @@ class DrafterTrainer:
             "grad_norm": grad_norm,
             "samples_per_s": sequences / elapsed,
             "tokens_per_s": tokens / elapsed,
-            "acc": [
-                c / n if n else 0.0 for c, n in zip(correct.tolist()[1:], count.tolist()[1:], strict=True)
-            ],
+            "acc": per_position_accuracy(correct, count),
             "bytes_received": int(nbytes),
             "bad_records": int(bad),
             "skipped": not finite,
