@@ -75,15 +75,15 @@ def build_drafter(cfg: RootConfig) -> DFlashDrafter:
 class StepTotals:
     """What a drafter rank accumulates over one optimizer step's micro-batches."""
 
-    loss_sum: float = 0.0
     micro_batches: int = 0
     sequences: int = 0
-    tokens: int = 0
     bytes_received: int = 0
     bad_records: int = 0
     correct: torch.Tensor | None = None
     count: torch.Tensor | None = None
     losses: list = field(default_factory=list)
+    # Token counts stay tensors: reading them per micro-batch would synchronise the GPU.
+    token_counts: list = field(default_factory=list)
 
 
 class DrafterTrainer:
@@ -164,7 +164,8 @@ class DrafterTrainer:
         t.losses.append(loss.detach().float())
         t.micro_batches += 1
         t.sequences += batch.num_sequences
-        t.tokens += int(batch.lengths.sum()) if batch.num_sequences else 0
+        if batch.num_sequences:
+            t.token_counts.append(batch.lengths.sum())
         t.bytes_received += batch.nbytes
         t.bad_records += batch.bad_records
         if stats is not None:
@@ -179,11 +180,13 @@ class DrafterTrainer:
         count = t.count if t.count is not None else torch.zeros(block, device=self.device)
         # One all-reduce for every per-step number, so the metrics cost one collective.
         local_loss = torch.stack(t.losses).sum()
+        local_tokens = torch.stack(t.token_counts).sum() if t.token_counts else torch.zeros(())
         packed = torch.cat(
             [
                 local_loss.reshape(1).to(self.device, torch.float64),
+                local_tokens.reshape(1).to(self.device, torch.float64),
                 torch.tensor(
-                    [t.micro_batches, t.sequences, t.tokens, t.bytes_received, t.bad_records],
+                    [t.micro_batches, t.sequences, t.bytes_received, t.bad_records],
                     dtype=torch.float64,
                     device=self.device,
                 ),
@@ -193,7 +196,7 @@ class DrafterTrainer:
         )
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(packed, group=self.group)
-        loss_sum, micro_batches, sequences, tokens, nbytes, bad = packed[:6].tolist()
+        loss_sum, tokens, micro_batches, sequences, nbytes, bad = packed[:6].tolist()
         correct, count = packed[6 : 6 + block], packed[6 + block :]
 
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
