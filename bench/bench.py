@@ -1,7 +1,9 @@
-"""GPU-performance benchmark of dflash_mp (issue 6): one target rank + one drafter rank.
+"""GPU-performance benchmark of dflash_mp (issue 6): 1 target rank + 1 drafter rank, or 1 rank for both.
 
     torchrun --nproc-per-node 2 bench/bench.py --shape qwen3-8b --out bench.json    # 2 GPUs
     torchrun --nproc-per-node 2 bench/bench.py --shape tiny --device cpu            # CPU, gloo
+    torchrun --standalone --nproc-per-node 1 bench/bench.py --shape qwen3-8b --out bench.json  # 1 GPU
+    torchrun --standalone --nproc-per-node 1 bench/bench.py --shape tiny --device cpu          # CPU, 1 rank
 
 Measures in one run, each after warm-up: the bf16 matmul peak of each GPU (the MFU denominator),
 the target alone (rank 0), the drafter alone (rank 1, one resident micro-batch), the transport alone
@@ -13,6 +15,13 @@ Every section runs under try/except and a watchdog: an error is recorded in the 
 blocked on a failed or hung peer gives up after a timeout, and the JSON is rewritten after every
 section, so a failure never costs the sections already measured. Rank 0 writes --out and prints
 the table; the exit status is 0 when every section that ran succeeded.
+
+Single-rank mode (WORLD_SIZE 1, e.g. when only one GPU is available): the one process plays both
+roles in the sections that do not communicate (matmul_peak, setup, drafter_only, target_only; the
+drafter trains without DDP). pipeline, transport and colocated need two ranks and are recorded as
+skipped; the summary's 8-GPU projection still follows from the two standalone rates. Each
+section's peak memory then includes the other role's resident objects (the target's weights
+during drafter_only, the drafter's during target_only).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import platform  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import traceback  # noqa: E402
+from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
@@ -37,7 +47,7 @@ import benchlib as bl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dflash_mp.distributed import init_job  # noqa: E402
+from dflash_mp.distributed import Job, env_ranks, init_job, pick_device  # noqa: E402
 from dflash_mp.roles import features_of, hidden_states_for_drafter, run_drafter, run_target  # noqa: E402
 from dflash_mp.topology import Topology  # noqa: E402
 from dflash_mp.trainer import DrafterTrainer, resolve_precision  # noqa: E402
@@ -48,6 +58,8 @@ SECTIONS = ("matmul_peak", "setup", "drafter_only", "target_only", "pipeline", "
 # Sections whose ranks talk to each other (besides the exchange after every section): after a
 # failure in one of them, point-to-point operations may be left unmatched, so later ones are skipped.
 COMMUNICATING = {"pipeline", "transport", "colocated"}
+ROLES = ("target", "drafter")  # rank r of a 2-rank run plays ROLES[r]; a 1-rank run plays both
+SINGLE_RANK_SKIP = "needs 2 ranks (1 target + 1 drafter); this run has 1"
 TIMEOUT_S = {
     "matmul_peak": 90,
     "setup": 240,
@@ -172,6 +184,44 @@ class RecordingTrainer:
         return record
 
 
+def init_single_rank_job(topology: Topology, device_request: str, timeout_s: float = 600.0) -> Job:
+    """init_job for a 1-rank run: the default group and a gloo meta group, and no drafter group
+    (init_job's drafter group spans ranks targets..world, which a world of 1 does not have); the
+    one process plays both roles, so its trainer runs without DDP."""
+    rank, local_rank, world_size = env_ranks()
+    device = pick_device(device_request, local_rank)
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    meta_group = dist.new_group(backend="gloo", timeout=timeout)
+    return Job(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        topology=topology,
+        device=device,
+        meta_group=meta_group,
+        drafter_group=None,
+    )
+
+
+def roles_by_rank(world: int) -> dict[str, str]:
+    """The header's setup.roles: rank -> role(s), '+'-joined where one rank plays both."""
+    if world == 1:
+        return {"0": "+".join(ROLES)}
+    return {str(r): role for r, role in enumerate(ROLES)}
+
+
+def rank_of(setup: dict, role: str) -> str:
+    """The rank (as a JSON key) that ran `role`, from setup.roles (2-rank layout if absent)."""
+    for rank, roles in (setup.get("roles") or roles_by_rank(2)).items():
+        if role in str(roles).split("+"):
+            return rank
+    return str(ROLES.index(role))
+
+
 def busy_fraction(marks: bl.Marks, intervals: list[tuple[int, int]]) -> tuple[float, float]:
     """(busy seconds, span seconds) over `intervals` of `marks`."""
     busy = sum(marks.seconds(a, b) for a, b in intervals)
@@ -184,16 +234,24 @@ class Bench:
         self.shape = bl.SHAPES[args.shape]
         self.topology = Topology(targets=1, drafters=1, grad_accum=args.grad_accum)
         world = int(os.environ.get("WORLD_SIZE", "0"))
-        if world != 2:
-            raise SystemExit(f"bench.py runs on exactly 2 ranks (1 target + 1 drafter); WORLD_SIZE={world}")
+        if world not in (1, 2):
+            raise SystemExit(
+                f"bench.py runs on 2 ranks (1 target + 1 drafter) or on 1 rank (both roles, no "
+                f"pipeline/transport/colocated); WORLD_SIZE={world or 'unset'}: launch it with "
+                "torchrun --nproc-per-node 2 (or --standalone --nproc-per-node 1 on a single GPU)"
+            )
+        self.world = world
+        self.single = world == 1
         # A previous run's partial files would read as a failed peer: each rank removes its own
         # before the rendezvous, so both are gone once init_job returns.
-        self.partial_paths = [f"{args.out}.rank{r}.partial.json" for r in range(2)]
+        self.partial_paths = [f"{args.out}.rank{r}.partial.json" for r in range(world)]
         own = self.partial_paths[int(os.environ["RANK"])]
         if os.path.exists(own):
             os.remove(own)
-        self.job = init_job(self.topology, args.device)
+        self.job = (init_single_rank_job if self.single else init_job)(self.topology, args.device)
         self.rank, self.device = self.job.rank, self.job.device
+        # The roles this process plays: one per rank on 2 ranks, both on 1.
+        self.roles = set(ROLES) if self.single else {ROLES[self.rank]}
         self.startup_s = time.perf_counter() - PROCESS_START
         self.cfg = bl.bench_config(self.shape, self.device, args.micro_batch, args.grad_accum, args.override)
         self.dtype, self.attention, self.compiled = resolve_precision(self.cfg, self.device)
@@ -241,8 +299,8 @@ class Bench:
                 "args": {k: v for k, v in vars(self.args).items()},
                 "device": self.device.type,
                 "device_name": torch.cuda.get_device_name(self.device) if cuda else "cpu",
-                "world_size": 2,
-                "roles": {"0": "target", "1": "drafter"},
+                "world_size": self.world,
+                "roles": roles_by_rank(self.world),
                 "micro_batch": self.B,
                 "grad_accum": self.A,
                 "hidden_dtype": str(self.dtype).replace("torch.", ""),
@@ -265,6 +323,8 @@ class Bench:
         bl.write_json(self.partial_paths[self.rank], self.partial)
 
     def _peer_state(self) -> dict | None:
+        if self.single:  # no peer: the watchdog only enforces deadlines
+            return None
         return bl.read_json(self.partial_paths[1 - self.rank])
 
     def _merge(self, name: str, records: list[dict]) -> dict:
@@ -337,6 +397,8 @@ class Bench:
 
         if name not in self.args.sections:
             return "not selected (--sections)"
+        if self.single and name in COMMUNICATING:
+            return SINGLE_RANK_SKIP
         budget = self.args.time_budget
         if budget > 0 and self.process_elapsed > budget:
             return f"time budget: {self.process_elapsed:.0f}s elapsed > --time-budget {budget:.0f}s"
@@ -431,21 +493,32 @@ class Bench:
         return {"per_rank": {str(self.rank): result}}
 
     def section_setup(self) -> dict:
+        result = {}
+        if "target" in self.roles:
+            result["target"] = self._setup_target()
+        if "drafter" in self.roles:
+            result["drafter"] = self._setup_drafter()
+        return result
+
+    def _setup_target(self) -> dict:
         start = time.perf_counter()
-        if self.rank == 0:
-            self.extractor = bl.random_target(self.shape, self.dtype, self.device, seed=self.args.seed)
-            bl.sync(self.device)
-            flops = bl.target_flops_per_seq(self.extractor, self.shape)
-            return {
-                "target": {
-                    "build_s": time.perf_counter() - start,
-                    "params_used": flops["params_used"],
-                    "layers_run": flops["layers_run"],
-                    "flops_per_seq": flops["per_seq"],
-                    "flops_breakdown": {k: flops[k] for k in ("linear", "attention")},
-                    "flops_counting": flops["counting"],
-                }
-            }
+        self.extractor = bl.random_target(
+            self.shape, self.dtype, self.device, seed=self.args.seed, compile_layers=self.compiled
+        )
+        bl.sync(self.device)
+        flops = bl.target_flops_per_seq(self.extractor, self.shape)
+        return {
+            "build_s": time.perf_counter() - start,
+            "params_used": flops["params_used"],
+            "layers_run": flops["layers_run"],
+            "flops_per_seq": flops["per_seq"],
+            "flops_breakdown": {k: flops[k] for k in ("linear", "attention")},
+            "flops_counting": flops["counting"],
+        }
+
+    def _setup_drafter(self) -> dict:
+        start = time.perf_counter()
+        # The drafter group: None on 1 rank (the trainer then runs without DDP).
         self.trainer = self._new_trainer(group=self.job.drafter_group)
         batch = self.reader.read(0)
         with bl.seeded(self.device, self.args.seed + 2):
@@ -454,26 +527,25 @@ class Bench:
         flops = bl.drafter_flops_per_micro_batch(self.shape, self.cfg, batch)
         bl.sync(self.device)
         return {
-            "drafter": {
-                "build_s": time.perf_counter() - start,
-                "params": bl.count_params(self.trainer.drafter),
-                "flops_per_micro_batch": flops["train"],
-                "flops_breakdown_forward": {
-                    k: flops[k] for k in ("forward", "layers_linear", "layers_attention", "fc", "lm_head")
-                },
-                "tokens": {
-                    k: flops[k]
-                    for k in (
-                        "query_tokens",
-                        "context_tokens",
-                        "valid_anchors",
-                        "scored_tokens",
-                        "attended_pairs_per_layer",
-                        "dense_pairs_per_layer",
-                    )
-                },
-                "flops_counting": flops["counting"],
-            }
+            "build_s": time.perf_counter() - start,
+            "params": bl.count_params(self.trainer.drafter),
+            "flops_per_micro_batch": flops["train"],
+            "flops_per_micro_batch_head_as_trainable": flops["train_head_as_trainable"],
+            "flops_breakdown_forward": {
+                k: flops[k] for k in ("forward", "layers_linear", "layers_attention", "fc", "lm_head")
+            },
+            "tokens": {
+                k: flops[k]
+                for k in (
+                    "query_tokens",
+                    "context_tokens",
+                    "valid_anchors",
+                    "scored_tokens",
+                    "attended_pairs_per_layer",
+                    "dense_pairs_per_layer",
+                )
+            },
+            "flops_counting": flops["counting"],
         }
 
     def _new_trainer(self, group) -> DrafterTrainer:
@@ -492,7 +564,7 @@ class Bench:
         return flops_per_s / self.peak_flops if self.peak_flops else None
 
     def section_drafter_only(self) -> dict:
-        if self.rank != 1:
+        if "drafter" not in self.roles:
             return {}
         trainer, batch, args = self.trainer, self.features, self.args
         watch = bl.CompileWatch()
@@ -521,9 +593,9 @@ class Bench:
         bl.sync(self.device)
         seconds = time.perf_counter() - t0
         steps = args.iters
-        flops = (
-            self.partial["sections"]["setup"]["result"]["drafter"]["flops_per_micro_batch"] * self.A * steps
-        )
+        counted = self.partial["sections"]["setup"]["result"]["drafter"]
+        flops = counted["flops_per_micro_batch"] * self.A * steps
+        flops_head_as_trainable = counted["flops_per_micro_batch_head_as_trainable"] * self.A * steps
         return {
             "samples_per_s": steps * self.A * self.B / seconds,
             "ms_per_step": seconds / steps * 1e3,
@@ -531,6 +603,7 @@ class Bench:
             "step_time": bl.distribution(step_s),
             "tflops": flops / seconds / 1e12,
             "mfu": self._mfu(flops / seconds),
+            "mfu_head_as_trainable": self._mfu(flops_head_as_trainable / seconds),
             "first_step_s": first_step_s,
             "process_start_to_first_step_s": start + first_step_s - PROCESS_START,
             "steps": steps,
@@ -543,12 +616,17 @@ class Bench:
         }
 
     def section_target_only(self) -> dict:
-        if self.rank != 0:
+        if "target" not in self.roles:
             return {}
         args, batch = self.args, self.reader.read(0)
         watch = bl.CompileWatch()
-        for _ in range(args.warmup):
+        start, first_forward_s = time.perf_counter(), None
+        for i in range(args.warmup):
             hidden_states_for_drafter(self.extractor, batch, self.dtype, self.device)
+            if i == 0:
+                bl.sync(self.device)
+                first_forward_s = time.perf_counter() - start
+                self.log(f"target_only: first forward (compile included) {first_forward_s:.1f}s")
         bl.sync(self.device)
         watch.start()
         marks = bl.Marks(self.device)
@@ -569,6 +647,7 @@ class Bench:
             "mfu": self._mfu(flops / seconds),
             "iters": args.iters,
             "warmup": args.warmup,
+            "first_forward_s": first_forward_s,
             "recompiles_after_warmup": watch.result()["recompiles"],
         }
 
@@ -717,7 +796,9 @@ class Bench:
                 torch.cuda.empty_cache()
         start = time.perf_counter()
         if self.extractor is None:
-            self.extractor = bl.random_target(self.shape, self.dtype, self.device, seed=self.args.seed + 10)
+            self.extractor = bl.random_target(
+                self.shape, self.dtype, self.device, seed=self.args.seed + 10, compile_layers=self.compiled
+            )
         trainer = self._new_trainer(group=dist.group.WORLD)  # DDP over both ranks
         build_s = time.perf_counter() - start
         watch = bl.CompileWatch()
@@ -820,12 +901,13 @@ def summarize(merged: dict) -> dict:
     def system_mfu(rate):
         return rate * per_sample / total_peak if rate and per_sample and total_peak else None
 
+    target_rank, drafter_rank = rank_of(merged["setup"], "target"), rank_of(merged["setup"], "drafter")
     memory = {}
     for label, section, rank in (
-        ("target_only", "target_only", "0"),
-        ("target_in_pipeline", "pipeline", "0"),
-        ("drafter_only", "drafter_only", "1"),
-        ("drafter_in_pipeline", "pipeline", "1"),
+        ("target_only", "target_only", target_rank),
+        ("target_in_pipeline", "pipeline", target_rank),
+        ("drafter_only", "drafter_only", drafter_rank),
+        ("drafter_in_pipeline", "pipeline", drafter_rank),
         ("colocated_rank0", "colocated", "0"),
         ("colocated_rank1", "colocated", "1"),
     ):
@@ -853,7 +935,7 @@ def summarize(merged: dict) -> dict:
             "colocated_8_gpus_samples_per_s": 8 / (1 / target_rate + 1 / drafter_rate),
             "splits": splits,
         }
-    return {
+    summary = {
         "matmul_peak_tflops": peaks,
         "target_only": {
             "samples_per_s": target_rate,
@@ -864,6 +946,7 @@ def summarize(merged: dict) -> dict:
             "samples_per_s": drafter_rate,
             "ms_per_step": _get(s, "drafter_only", "ms_per_step"),
             "mfu": _get(s, "drafter_only", "mfu"),
+            "mfu_head_as_trainable": _get(s, "drafter_only", "mfu_head_as_trainable"),
         },
         "transport": {
             "gb_per_s": _get(s, "transport", "gb_per_s"),
@@ -904,6 +987,11 @@ def summarize(merged: dict) -> dict:
         "projection_8_gpus": projection,
         "statuses": {name: sec.get("status") for name, sec in s.items()},
     }
+    if merged["setup"].get("world_size") == 1:
+        summary["peak_memory_note"] = (
+            "1 rank plays both roles: each section's peak includes the other role's resident objects"
+        )
+    return summary
 
 
 def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
@@ -917,23 +1005,29 @@ def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
 def print_table(merged: dict) -> None:
     sm = merged.get("summary") or summarize(merged)
     shape, setup = merged["shape"], merged["setup"]
+    world = setup.get("world_size", 2)
+    peak_ranks = list(sm["matmul_peak_tflops"]) or [str(r) for r in range(world)]
+    memory_keys = ("target_in_pipeline", "drafter_in_pipeline", "colocated_rank0", "colocated_rank1")
+    memory_label = "target | drafter | coloc r0, r1"
+    if world == 1:  # no pipeline: the standalone sections' peaks
+        memory_keys, memory_label = ("target_only", "drafter_only"), "target only | drafter only"
     rows = [
         (
             "matmul peak",
-            "TFLOP/s rank0 | rank1",
+            "TFLOP/s " + " | ".join(f"rank{r}" for r in peak_ranks),
             " | ".join(_fmt(v, ".1f") for v in sm["matmul_peak_tflops"].values()) or "-",
         ),
         (
-            "target only (r0)",
+            f"target only (r{rank_of(setup, 'target')})",
             "samples/s | ms/seq | MFU",
             f"{_fmt(sm['target_only']['samples_per_s'])} | {_fmt(sm['target_only']['ms_per_seq'], '.1f')} | "
             f"{_fmt(sm['target_only']['mfu'], '.1%')}",
         ),
         (
-            "drafter only (r1)",
-            "samples/s | ms/step | MFU",
+            f"drafter only (r{rank_of(setup, 'drafter')})",
+            "samples/s | ms/step | MFU (head as trainable)",
             f"{_fmt(sm['drafter_only']['samples_per_s'])} | {_fmt(sm['drafter_only']['ms_per_step'], '.1f')} | "
-            f"{_fmt(sm['drafter_only']['mfu'], '.1%')}",
+            f"{_fmt(sm['drafter_only']['mfu'], '.1%')} ({_fmt(sm['drafter_only']['mfu_head_as_trainable'], '.1%')})",
         ),
         (
             "transport",
@@ -968,11 +1062,8 @@ def print_table(merged: dict) -> None:
         ),
         (
             "peak memory GB",
-            "target | drafter | coloc r0, r1",
-            " | ".join(
-                _fmt(sm["peak_memory_gb"][k], ".1f")
-                for k in ("target_in_pipeline", "drafter_in_pipeline", "colocated_rank0", "colocated_rank1")
-            ),
+            memory_label,
+            " | ".join(_fmt(sm["peak_memory_gb"][k], ".1f") for k in memory_keys),
         ),
         (
             "first step s",
@@ -992,10 +1083,11 @@ def print_table(merged: dict) -> None:
         f"dflash_mp bench: {shape['name']} (target {shape['layers']}L h{shape['hidden']}, runs "
         f"{shape['target_layers_run']}; drafter {shape['draft_layers']}L; S={shape['seq_len']}, "
         f"{shape['num_anchors']} anchors x {shape['block_size']}; B={setup['micro_batch']} A={setup['grad_accum']}) "
-        f"on 2x {setup['device_name']}"
+        f"on {world}x {setup['device_name']}"
     )
     lines = [title, "-" * min(len(title), 110)]
-    lines += [f"{a:<18} {b:<34} {c}" for a, b, c in rows]
+    width = max(len(b) for _, b, _ in rows)
+    lines += [f"{a:<18} {b:<{width}} {c}" for a, b, c in rows]
     for name, section in merged["sections"].items():
         if section.get("status") == "error":
             for rank, error in (section.get("errors") or {}).items():
@@ -1013,9 +1105,9 @@ def main(argv=None) -> int:
     if on_cpu and args.shape != "tiny":
         raise SystemExit(f"bench.py: --shape {args.shape} needs GPUs; on CPU use --shape tiny --device cpu")
     bench = Bench(args)
+    roles = "+".join(role for role in ROLES if role in bench.roles)
     bench.log(
-        f"{bench.device} rank {bench.rank} ({'target' if bench.rank == 0 else 'drafter'}), shape {args.shape}, "
-        f"startup {bench.startup_s:.1f}s"
+        f"{bench.device} rank {bench.rank} ({roles}), shape {args.shape}, startup {bench.startup_s:.1f}s"
     )
     for name in SECTIONS:
         bench.run_section(name)

@@ -228,11 +228,14 @@ def random_embed_and_head(shape: Shape, dtype: torch.dtype, device: torch.device
 
 
 def random_target(
-    shape: Shape, dtype: torch.dtype, device: torch.device, seed: int
+    shape: Shape, dtype: torch.dtype, device: torch.device, seed: int, compile_layers: bool
 ) -> TargetFeatureExtractor:
-    return TargetFeatureExtractor.build_random(
+    extractor = TargetFeatureExtractor.build_random(
         shape.target_config(), shape.layer_ids, dtype, device, seed=seed
     )
+    if compile_layers:  # as the runtime does (train.compile)
+        extractor.compile_layers()
+    return extractor
 
 
 def count_params(module: nn.Module) -> int:
@@ -247,7 +250,8 @@ TARGET_FLOPS_COUNTING = (
 )
 
 DRAFTER_FLOPS_COUNTING = (
-    "train = 3 x forward (fwd + bwd). forward per micro-batch = "
+    "train = 3 x (forward without the LM head) + 2 x LM head: the head is frozen, so its backward is "
+    "the input gradient only (no weight gradient). forward per micro-batch = "
     "draft layers' q/o projections and MLP over all N*Bs query tokens "
     "+ k/v projections over the S context + N*Bs block tokens "
     "+ fc over the S context tokens (K*H -> H) "
@@ -255,7 +259,7 @@ DRAFTER_FLOPS_COUNTING = (
     "(each block sees the context before its anchor and its own Bs tokens) per layer "
     "+ LM head 2 * H * V over the tokens with loss weight > 0. "
     "Counted on the resident micro-batch (the anchors the trainer draws for it); "
-    "not counted: norms, RoPE, softmax, the LM-head recompute of the chunked loss, the optimizer"
+    "not counted: norms, RoPE, softmax, the optimizer"
 )
 
 
@@ -306,7 +310,9 @@ def drafter_flops_per_micro_batch(shape: Shape, cfg: RootConfig, batch: MicroBat
     forward = num_layers * (per_layer_linear + per_layer_attention) + fc + lm_head
     return {
         "forward": forward,
-        "train": 3 * forward,
+        "train": 3 * (forward - lm_head) + 2 * lm_head,
+        # What the previous counting (3 x forward, head included) gave, to compare runs across it.
+        "train_head_as_trainable": 3 * forward,
         "layers_linear": num_layers * per_layer_linear,
         "layers_attention": num_layers * per_layer_attention,
         "fc": fc,

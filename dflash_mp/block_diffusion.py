@@ -18,7 +18,7 @@ never recompile on a varying number of anchors.
 
 from __future__ import annotations
 
-import hashlib
+import functools
 from collections.abc import Callable
 from typing import Any, TypedDict
 
@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
-from torch.utils.checkpoint import checkpoint
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -41,13 +40,36 @@ class LossStats(TypedDict):
 
 # ----------------------------------------------------------------------------- anchors
 
+_MASK32 = 0xFFFFFFFF
 
-def _anchor_generator(seed: int, epoch: int, sample_id: int) -> torch.Generator:
-    # A stable hash (not Python's salted hash()) so every rank and every run derives the same
-    # stream for a record: anchors depend on (seed, epoch, sample) only, never on the topology
-    # or batch composition (DESIGN.md §2 determinism), and are fresh each epoch (§3).
-    digest = hashlib.blake2b(f"{seed}/{epoch}/{sample_id}".encode(), digest_size=8).digest()
-    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") >> 1)
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer finaliser (xor-shift-multiply) on int64 tensors holding values < 2**32.
+
+    The multiplier is below 2**27, so no product leaves int64: the result is the same on every
+    device and every torch version, unlike a Generator stream.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def anchor_keys(seed: int, epoch: int, sample_ids: Tensor, seq_len: int) -> Tensor:
+    """[B, S] int64 pseudo-random keys in [0, 2**32), a pure function of (seed, epoch, sample, position).
+
+    Anchors therefore depend on the record only, never on the topology or batch composition
+    (DESIGN.md §2 determinism), and are fresh each epoch (§3).
+    """
+    ids = sample_ids.long()
+    stream = _mix32(torch.full_like(ids, seed & _MASK32))
+    stream = _mix32(stream ^ (epoch & _MASK32))
+    stream = _mix32(stream ^ (ids & _MASK32))
+    stream = _mix32(stream ^ ((ids >> 32) & _MASK32))
+    positions = torch.arange(seq_len, device=ids.device)
+    # 0x9E3779B1 (the 32-bit golden ratio) spreads consecutive positions before mixing.
+    return _mix32(_mix32((stream[:, None] + positions * 0x9E3779B1) & _MASK32))
 
 
 def sample_anchors(
@@ -58,22 +80,29 @@ def sample_anchors(
     Eligible p: a response token with some context before it (p >= 1) and something to predict
     after it (p + 1 < length). Returns (anchors [B,N] int64, valid [B,N] bool); invalid slots
     come last and hold anchor 0, which keeps every mask row non-empty (see `block_mask_mod`).
+
+    The eligible positions with the N smallest keys form a uniform draw without replacement.
+    Everything runs on the inputs' device with static shapes: no host synchronisation, nothing
+    for a compiled step to recompile on.
     """
-    # One host copy per micro-batch: the per-sequence generators live on the CPU anyway.
-    loss_mask_cpu, lengths_cpu, ids_cpu = loss_mask.bool().cpu(), lengths.cpu(), sample_ids.cpu()
-    batch, seq_len = loss_mask_cpu.shape
-    positions = torch.arange(seq_len)
-    anchors = torch.zeros(batch, num_anchors, dtype=torch.long)
-    valid = torch.zeros(batch, num_anchors, dtype=torch.bool)
-    for row in range(batch):
-        is_eligible = loss_mask_cpu[row] & (positions >= 1) & (positions + 1 < lengths_cpu[row])
-        eligible = is_eligible.nonzero()[:, 0]
-        generator = _anchor_generator(seed, epoch, int(ids_cpu[row]))
-        # A random permutation's prefix is a uniform draw without replacement.
-        chosen = eligible[torch.randperm(eligible.numel(), generator=generator)[:num_anchors]]
-        anchors[row, : chosen.numel()] = chosen.sort().values
-        valid[row, : chosen.numel()] = True
-    return anchors.to(loss_mask.device), valid.to(loss_mask.device)
+    batch, seq_len = loss_mask.shape
+    device = loss_mask.device
+    positions = torch.arange(seq_len, device=device)
+    eligible = loss_mask.bool() & (positions >= 1) & (positions + 1 < lengths[:, None].to(device))
+    # key * S + position is unique per row, so ties cannot make the choice order-dependent.
+    keys = anchor_keys(seed, epoch, sample_ids.to(device), seq_len) * seq_len + positions
+    never = torch.iinfo(torch.int64).max
+    keys = torch.where(eligible, keys, never)
+    picked = min(num_anchors, seq_len)
+    smallest = keys.topk(picked, dim=-1, largest=False, sorted=False).values
+    # Chosen positions ascending, unused slots (key `never`) pushed last by the sort.
+    chosen = torch.where(smallest != never, smallest % seq_len, seq_len).sort(dim=-1).values
+    valid = chosen < seq_len
+    anchors = torch.where(valid, chosen, 0)
+    if picked < num_anchors:  # more slots than positions: pad with invalid slots
+        anchors = torch.cat([anchors, anchors.new_zeros(batch, num_anchors - picked)], dim=1)
+        valid = torch.cat([valid, valid.new_zeros(batch, num_anchors - picked)], dim=1)
+    return anchors, valid
 
 
 # ----------------------------------------------------------------------------- blocks and labels
@@ -203,12 +232,71 @@ def decay_weighted_ce(logits: Tensor, labels: Tensor, weights: Tensor) -> tuple[
     return loss, LossStats(correct=correct.sum(0), count=scored.sum(0), weight_sum=weight_sum)
 
 
-def _chunk_weighted_ce(
-    hidden: Tensor, head_weight: Tensor, labels: Tensor, weights: Tensor
-) -> tuple[Tensor, Tensor]:
-    logits = F.linear(hidden, head_weight).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    return (weights * ce).sum(), logits.argmax(-1) == labels
+def _ce_and_grad(logits: Tensor, labels: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """For rows of logits [M,V]: sum(scale * CE), d(that)/d(logits) in the logits' dtype, argmax == label.
+
+    Written as elementwise ops and row reductions so that, compiled, it is one pass to reduce and
+    one to write the gradient, with no fp32 copy of the logits in memory.
+    """
+    x = logits.float()
+    log_normaliser = torch.logsumexp(x, dim=-1, keepdim=True)
+    label_logit = x.gather(-1, labels[:, None])
+    loss = (scale[:, None] * (log_normaliser - label_logit)).sum()
+    is_label = torch.arange(x.shape[-1], device=x.device) == labels[:, None]
+    grad = (torch.exp(x - log_normaliser) - is_label.float()) * scale[:, None]
+    return loss, grad.to(logits.dtype), x.argmax(-1) == labels
+
+
+@functools.cache
+def _compiled_ce_and_grad() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+    # Static: chunks have at most two sizes per micro-batch shape.
+    return torch.compile(_ce_and_grad, dynamic=False)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum_i scale_i * CE(hidden_i @ head.T, label_i), with the gradient computed during the forward.
+
+    The head is frozen in training, so its backward needs only the input gradient; computing it
+    chunk by chunk while the logits are at hand means the logits are never stored nor recomputed:
+    two head matmuls per chunk instead of the three of checkpointing, and one chunk of logits alive.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, head: Tensor, labels: Tensor, scale: Tensor, chunk_tokens: int):
+        rows = hidden.shape[0]
+        need_hidden_grad, need_head_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ce_and_grad = _compiled_ce_and_grad() if hidden.is_cuda else _ce_and_grad
+        # Equal chunks (at most two sizes), so the compiled part sees few shapes.
+        num_chunks = max(1, -(-rows // chunk_tokens))
+        size = max(1, -(-rows // num_chunks))
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        correct = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
+        hidden_grad = torch.zeros_like(hidden) if need_hidden_grad else None
+        head_grad = torch.zeros_like(head, dtype=torch.float32) if need_head_grad else None
+        for start in range(0, rows, size):
+            rows_of_chunk = slice(start, start + size)
+            chunk = hidden[rows_of_chunk]
+            chunk_loss, logits_grad, correct[rows_of_chunk] = ce_and_grad(
+                F.linear(chunk, head), labels[rows_of_chunk], scale[rows_of_chunk]
+            )
+            loss += chunk_loss
+            if hidden_grad is not None:
+                hidden_grad[rows_of_chunk] = logits_grad @ head.to(logits_grad.dtype)
+            if head_grad is not None:
+                head_grad += (logits_grad.T @ chunk.to(logits_grad.dtype)).float()
+        ctx.save_for_backward(hidden_grad, head_grad)
+        ctx.head_dtype = head.dtype
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, loss_grad: Tensor, _correct_grad: Tensor | None):
+        hidden_grad, head_grad = ctx.saved_tensors
+        if hidden_grad is not None:
+            hidden_grad = hidden_grad * loss_grad.to(hidden_grad.dtype)
+        if head_grad is not None:
+            head_grad = (head_grad * loss_grad).to(ctx.head_dtype)
+        return hidden_grad, head_grad, None, None, None
 
 
 def chunked_lm_head_loss(
@@ -216,44 +304,29 @@ def chunked_lm_head_loss(
     head_weight: Tensor,
     labels: Tensor,
     weights: Tensor,
-    chunk_tokens: int = 1024,
+    chunk_tokens: int = 2048,
 ) -> tuple[Tensor, LossStats]:
     """`decay_weighted_ce(hidden @ head_weight.T, ...)` without materialising all logits.
 
-    hidden [B,N*Bs,H], head_weight [V,H], labels/weights [B,N,Bs]. Only positions with
-    weight > 0 are scored, and each chunk of `chunk_tokens` of them runs under activation
-    checkpointing, so peak memory is one chunk's logits (1024 x 152k fp32 = 0.6 GB) instead of
-    8192 x 152k; the price is recomputing each chunk's head matmul in backward.
+    hidden [B,N*Bs,H], head_weight [V,H], labels/weights [B,N,Bs]; block index 0 must carry
+    weight 0 (it holds the known token; `block_labels` never scores it) and is skipped. Logits
+    exist one chunk of `chunk_tokens` rows at a time (2048 x 152k bf16 = 0.6 GB) and their
+    gradient is taken on the spot (`_LinearCrossEntropy`). Shapes depend only on the batch shape
+    and nothing reads back from the GPU, so a compiled step never waits on the host here.
     """
-    block_size = labels.shape[-1]
-    weights_flat = weights.flatten()
-    # nonzero() syncs with the GPU once per micro-batch; it is what lets zero-weight positions
-    # (prompt tokens, slot 0, padding anchors) cost nothing.
-    scored = weights_flat.nonzero()[:, 0]
-    selected_hidden = hidden.reshape(-1, hidden.shape[-1])[scored]
-    selected_labels = labels.flatten()[scored]
-    selected_weights = weights_flat[scored]
-    # split() of an empty selection still yields one empty chunk, so the loss below is always
-    # a graph node (0 with zero gradients) and backward/DDP work on a batch with nothing to score.
-    chunk_losses, chunk_correct = [], []
-    for hidden_chunk, label_chunk, weight_chunk in zip(
-        selected_hidden.split(chunk_tokens),
-        selected_labels.split(chunk_tokens),
-        selected_weights.split(chunk_tokens),
-        strict=True,
-    ):
-        chunk_loss, correct_chunk = checkpoint(
-            _chunk_weighted_ce, hidden_chunk, head_weight, label_chunk, weight_chunk, use_reentrant=False
-        )
-        chunk_losses.append(chunk_loss)
-        chunk_correct.append(correct_chunk)
-    weight_sum = weights_flat.sum()
-    loss = torch.stack(chunk_losses).sum() / weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
-    block_index = scored % block_size
-    zeros = torch.zeros(block_size, dtype=torch.long, device=weights.device)
-    correct = zeros.index_add(0, block_index, torch.cat(chunk_correct).long())
-    count = zeros.index_add(0, block_index, torch.ones_like(block_index))
-    return loss, LossStats(correct=correct, count=count, weight_sum=weight_sum)
+    batch, num_blocks, block_size = labels.shape
+    scored_hidden = hidden.reshape(batch, num_blocks, block_size, -1)[:, :, 1:].reshape(-1, hidden.shape[-1])
+    scored_labels = labels[:, :, 1:].reshape(-1)
+    scored_weights = weights[:, :, 1:].reshape(-1).float()
+    weight_sum = weights.float().sum()
+    # clamp_min: an all-zero-weight batch gives 0 / tiny = 0, not NaN, and keeps the graph.
+    scale = scored_weights / weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
+    loss, correct = _LinearCrossEntropy.apply(scored_hidden, head_weight, scored_labels, scale, chunk_tokens)
+    scored = (scored_weights > 0).view(-1, block_size - 1)
+    zero = torch.zeros(1, dtype=torch.long, device=weights.device)
+    correct_by_index = torch.cat([zero, (correct.view_as(scored) & scored).sum(0)])
+    count_by_index = torch.cat([zero, scored.sum(0)])
+    return loss, LossStats(correct=correct_by_index, count=count_by_index, weight_sum=weight_sum)
 
 
 def per_position_accuracy(correct: Tensor, count: Tensor) -> list[float]:

@@ -122,7 +122,7 @@ class TrainConfig:
     dtype: str = "auto"
     # Attention kernel for the block-sparse mask: "auto" (flex on GPU, sdpa on CPU), "flex", "sdpa".
     attention: str = "auto"
-    # torch.compile the drafter step, per process: "auto" (on for GPU), true or false.
+    # torch.compile the drafter's and the target's layers, per process: "auto" (on for GPU), true or false.
     compile: str = "auto"
     # Write the HF-format drafter to run_dir/export at the end of training.
     export: bool = True

@@ -27,9 +27,9 @@ def reference_train(cfg: RootConfig, device: torch.device | str = "cpu", on_step
     topology = Topology(targets=1, drafters=1, grad_accum=cfg.train.grad_accum)
     index = JsonlIndex(list(cfg.data.train_files))
     steps = total_steps(cfg, len(index), topology)
-    dtype, _, _ = resolve_precision(cfg, device)
+    dtype, _, compile_layers = resolve_precision(cfg, device)
     reader = make_reader(cfg, index)
-    extractor = make_feature_extractor(cfg, dtype, device)
+    extractor = make_feature_extractor(cfg, dtype, device, compile_layers)
     trainer = DrafterTrainer(cfg, device, steps)
     bad_before = 0
     for step in range(steps):

@@ -47,17 +47,22 @@ def make_reader(cfg: RootConfig, index: JsonlIndex) -> MicroBatchReader:
     )
 
 
-def make_feature_extractor(cfg: RootConfig, dtype: torch.dtype, device: torch.device):
+def make_feature_extractor(
+    cfg: RootConfig, dtype: torch.dtype, device: torch.device, compile_layers: bool = False
+):
     from dflash_mp.models.target import TargetFeatureExtractor
 
     num_layers = int(read_target_config(cfg.model.target_path)["num_hidden_layers"])
-    return TargetFeatureExtractor(
+    extractor = TargetFeatureExtractor(
         cfg.model.target_path,
         resolved_target_layer_ids(cfg, num_layers),
         dtype=dtype,
         device=device,
         trust_remote_code=cfg.model.trust_remote_code,
     )
+    if compile_layers:
+        extractor.compile_layers()
+    return extractor
 
 
 def features_of(batch: MicroBatch, hidden_states: torch.Tensor, bad_records: int = 0) -> Features:

@@ -101,11 +101,11 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
         start_step, state = resume_step(cfg, run_dir)
     start_step = broadcast_int(start_step if job.is_first_drafter else 0, first_drafter, job.meta_group)
     watchdog.beat("load", start_step)
-    dtype, _, _ = resolve_precision(cfg, job.device)
+    dtype, _, compile_layers = resolve_precision(cfg, job.device)
 
     if job.role is Role.TARGET:
         reader = make_reader(cfg, index)
-        extractor = make_feature_extractor(cfg, dtype, job.device)
+        extractor = make_feature_extractor(cfg, dtype, job.device, compile_layers)
         run_target(cfg, job, start_step, steps, reader, extractor, dtype)
         return
 

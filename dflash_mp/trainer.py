@@ -110,7 +110,7 @@ class DrafterTrainer:
         embed, head = embed_and_head
         self.embed_weight, self.head_weight = embed.requires_grad_(False), head.requires_grad_(False)
         if compile_drafter:
-            self.drafter.compile()
+            self.drafter.compile_layers()
         self.model: nn.Module = self.drafter
         if group is not None and dist.get_world_size(group) > 1:
             self.model = nn.parallel.DistributedDataParallel(

@@ -22,7 +22,7 @@ SECTIONS = ("matmul_peak", "setup", "drafter_only", "target_only", "pipeline", "
 
 
 def run_bench(
-    tmp_path: Path, *extra: str, timeout: float = 120
+    tmp_path: Path, *extra: str, timeout: float = 120, nproc: int = 2
 ) -> tuple[subprocess.CompletedProcess, dict | None]:
     out = tmp_path / "bench.json"
     cmd = [
@@ -31,7 +31,7 @@ def run_bench(
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         str(REPO / "bench" / "bench.py"),
         "--shape",
         "tiny",
@@ -111,6 +111,76 @@ def test_a_failing_rank_neither_hangs_the_benchmark_nor_loses_earlier_sections(t
     assert sections["drafter_only"]["status"] == "ok" and _positive(sections["drafter_only"]["samples_per_s"])
     assert sections["pipeline"]["status"] == "error"
     assert "injected fault" in sections["pipeline"]["errors"]["1"]
+
+
+@pytest.mark.slow
+def test_single_rank_runs_both_roles_and_skips_the_communicating_sections(tmp_path: Path) -> None:
+    # One GPU (here: one CPU process) plays target and drafter in turn; no pipeline, transport, colocated.
+    proc, result = run_bench(tmp_path, "--iters", "3", "--warmup", "1", nproc=1, timeout=90)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert result is not None and result["schema"] == "dflash_mp.bench/1"
+    setup = result["setup"]
+    assert setup["world_size"] == 1 and setup["roles"] == {"0": "target+drafter"}
+    sections = result["sections"]
+    ran = ("matmul_peak", "setup", "drafter_only", "target_only")
+    assert {name: sections[name]["status"] for name in ran} == dict.fromkeys(ran, "ok")
+    for name in ("pipeline", "transport", "colocated"):
+        assert sections[name]["status"] == "skipped", (name, sections[name])
+        assert "needs 2 ranks" in sections[name]["reason"], sections[name]["reason"]
+
+    assert set(sections["matmul_peak"]["per_rank"]) == {"0"}
+    assert _positive(sections["setup"]["target"]["flops_per_seq"])
+    assert _positive(sections["setup"]["drafter"]["flops_per_micro_batch"])
+    for name in ("target_only", "drafter_only"):
+        section = sections[name]
+        assert set(section["per_rank"]) == {"0"}
+        for key in ("samples_per_s", "tflops", "mfu"):
+            assert _positive(section.get(key)), (name, key, section.get(key))
+    assert sections["target_only"]["iters"] == 3 and sections["drafter_only"]["steps"] == 3
+
+    summary = result["summary"]
+    assert _positive(summary["target_only"]["samples_per_s"])
+    assert _positive(summary["drafter_only"]["samples_per_s"])
+    projection = summary["projection_8_gpus"]
+    assert projection is not None and _positive(projection["best_samples_per_s"])
+    assert _positive(projection["colocated_8_gpus_samples_per_s"])
+    # The numbers only two ranks can give are absent, not made up.
+    assert summary["pipeline"]["samples_per_s"] is None and summary["pipeline"]["efficiency"] is None
+    assert summary["pipeline"]["system_mfu"] is None and summary["colocated"]["samples_per_s"] is None
+    assert summary["transport"]["gb_per_s"] is None
+    # Memory of each role comes from the rank that played it (rank 0 here).
+    assert _positive(summary["peak_memory_gb"]["target_only"])
+    assert _positive(summary["peak_memory_gb"]["drafter_only"])
+    assert summary["peak_memory_gb"]["target_in_pipeline"] is None
+
+    assert "on 1x cpu" in proc.stdout
+    assert "skipped pipeline: needs 2 ranks" in proc.stdout
+    assert not list(tmp_path.glob("*.partial.json")), "the partial file is removed after a clean run"
+
+
+@pytest.mark.slow
+def test_single_rank_watchdog_still_writes_the_json(tmp_path: Path) -> None:
+    # No peer to watch: a hung section ends at its deadline and the sections before it are kept.
+    proc, result = run_bench(
+        tmp_path,
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--fault",
+        "target_only:0:hang",
+        "--timeout-scale",
+        "0.02",
+        nproc=1,
+        timeout=90,
+    )
+    assert proc.returncode != 0
+    assert result is not None, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    sections = result["sections"]
+    assert sections["drafter_only"]["status"] == "ok" and _positive(sections["drafter_only"]["samples_per_s"])
+    assert sections["target_only"]["status"] == "error"
+    assert "timed out" in sections["target_only"]["errors"]["0"]
+    assert result["aborted"]["phase"] == "target_only"
 
 
 def test_build_random_target_runs_the_layers_it_reads() -> None:

@@ -121,6 +121,23 @@ def test_anchors_cover_every_eligible_position_across_epochs() -> None:
     assert seen == eligible
 
 
+def test_anchor_sampling_has_static_shapes_and_never_reads_the_device() -> None:
+    # Meta tensors have shapes but no values: .cpu(), .item(), nonzero() or a Generator fed from
+    # tensor values would raise, so this passing means no host synchronisation on a GPU either.
+    _, loss_mask, lengths = make_sequences([40, 12], seq_len=40)
+    meta = torch.device("meta")
+    anchors, valid = sample_anchors(
+        loss_mask.to(meta),
+        lengths.to(meta),
+        torch.tensor([1, 2], device=meta),
+        epoch=0,
+        seed=0,
+        num_anchors=50,
+    )
+    assert anchors.shape == valid.shape == (2, 50)
+    assert anchors.dtype == torch.long and valid.dtype == torch.bool
+
+
 # ----------------------------------------------------------------------------- blocks and labels
 
 
@@ -289,6 +306,15 @@ def test_chunked_loss_matches_unchunked(chunk_tokens: int) -> None:
     assert (chunked_hidden_grad.view(2, 5, BLOCK, HIDDEN)[weights == 0] == 0).all()
 
 
+def test_chunked_loss_has_static_shapes_and_never_reads_the_device() -> None:
+    hidden, head, labels, weights = (t.detach().to("meta") for t in loss_problem())
+    hidden.requires_grad_(True)
+    loss, stats = chunked_lm_head_loss(hidden, head, labels, weights, chunk_tokens=7)
+    (hidden_grad,) = torch.autograd.grad(loss, hidden)
+    assert loss.shape == () and hidden_grad.shape == hidden.shape
+    assert stats["correct"].shape == stats["count"].shape == (BLOCK,)
+
+
 def test_zero_weight_batch_gives_zero_loss_and_a_working_backward() -> None:
     hidden, head, labels, weights = loss_problem()
     weights.zero_()
@@ -429,3 +455,52 @@ def test_drafter_loss_flex_matches_sdpa_on_cuda_with_gradients() -> None:
     torch.testing.assert_close(results["flex"][0], results["sdpa"][0], atol=1e-4, rtol=1e-4)
     for flex_grad, sdpa_grad in zip(results["flex"][1], results["sdpa"][1], strict=True):
         torch.testing.assert_close(flex_grad, sdpa_grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_anchors_on_cuda_equal_anchors_on_cpu() -> None:
+    _, loss_mask, lengths = make_sequences([40, 33, 25], seq_len=40)
+    ids = torch.tensor([10, 2**40 + 11, 12])
+    on_cpu = sample_anchors(loss_mask, lengths, ids, epoch=3, seed=7, num_anchors=6)
+    on_cuda = sample_anchors(loss_mask.cuda(), lengths.cuda(), ids.cuda(), epoch=3, seed=7, num_anchors=6)
+    for cpu_tensor, cuda_tensor in zip(on_cpu, on_cuda, strict=True):
+        assert torch.equal(cuda_tensor.cpu(), cpu_tensor)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_bf16_chunked_loss_matches_fp32_reference_on_cuda() -> None:
+    hidden, head, labels, weights = loss_problem(requires_grad=False)
+    hidden = hidden.cuda().requires_grad_(True)
+    head, labels, weights = head.cuda(), labels.cuda(), weights.cuda()
+    loss, stats = decay_weighted_ce((hidden @ head.T).view(2, 5, BLOCK, VOCAB), labels, weights)
+    (hidden_grad,) = torch.autograd.grad(loss, hidden)
+    hidden_bf16 = hidden.detach().bfloat16().requires_grad_(True)
+    chunked, chunked_stats = chunked_lm_head_loss(
+        hidden_bf16, head.bfloat16(), labels, weights, chunk_tokens=7
+    )
+    (chunked_grad,) = torch.autograd.grad(chunked, hidden_bf16)
+    torch.testing.assert_close(chunked, loss, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(chunked_grad.float(), hidden_grad, atol=2e-2, rtol=5e-2)
+    assert torch.equal(chunked_stats["count"], stats["count"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_warm_compiled_drafter_micro_step_never_waits_on_the_gpu() -> None:
+    drafter, embed, head, batch = drafter_problem(seed=3)
+    drafter.cuda()
+    batch = SimpleNamespace(
+        **{k: v.detach().cuda() if isinstance(v, Tensor) else v for k, v in vars(batch).items()}
+    )
+    embed, head = embed.cuda(), head.cuda()
+    for warm in (True, False):
+        # The first call compiles (which may synchronise); the second must not read the GPU back.
+        torch.cuda.set_sync_debug_mode("warn" if warm else "error")
+        try:
+            loss, stats = drafter_loss(drafter, embed, head, batch, attention="flex", **LOSS_ARGS)
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss).item() and stats["count"].sum().item() > 0

@@ -134,6 +134,34 @@ def test_multi_block_pass_equals_per_block_reference(models: tuple[DFlashDrafter
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_layers_give_the_same_outputs_and_gradients() -> None:
+    # "eager" backend: dynamo's tracing and AOT-free replay on CPU, so what regional compilation
+    # changes (graph capture, one graph shared by every layer) is checked without a GPU.
+    context, blocks, context_positions, block_positions, mask = _multi_block_inputs()
+    # Four draft layers over the same two target layers as the inputs.
+    layer_ids = build_target_layer_ids(TARGET.num_hidden_layers, 2)
+    config = build_drafter_config(TARGET, 4, layer_ids, block_size=BLOCK, mask_token_id=299)
+    results = []
+    for compiled in (False, True):
+        drafter = DFlashDrafter(config, seed=0).train()
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        if compiled:
+            drafter.compile_layers(backend="eager", fullgraph=True)
+        out = drafter(context, blocks, context_positions, block_positions, mask)
+        out.square().sum().backward()
+        results.append((out.detach(), [p.grad for p in drafter.parameters()]))
+        if compiled:
+            # Two graphs for four layers: the first layer's input (embeddings) needs no gradient.
+            assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    torch._dynamo.reset()
+    (eager, eager_grads), (compiled_out, compiled_grads) = results
+    torch.testing.assert_close(compiled_out, eager, atol=1e-6, rtol=1e-6)
+    for compiled_grad, eager_grad in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(compiled_grad, eager_grad, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_block_mask_path_equals_dense_path(
     models: tuple[DFlashDrafter, DFlashDraftModel], monkeypatch: pytest.MonkeyPatch

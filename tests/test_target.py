@@ -100,3 +100,20 @@ def test_missing_tensors_are_clear_errors(tmp_path: Path) -> None:
     save_file({"lm_head.weight": torch.zeros(4, 2)}, tmp_path / "model.safetensors")
     with pytest.raises(KeyError, match="model.embed_tokens.weight"):
         load_embedding_and_head(tmp_path, dtype=torch.float32, device="cpu")
+
+
+def test_compiled_layers_capture_the_same_features(untied: tuple[Path, Qwen3ForCausalLM]) -> None:
+    # The "eager" backend runs dynamo's tracing (the capture hooks included) without codegen, so
+    # this checks on CPU what the GPU's inductor build relies on: same features, one shared graph.
+    path, _ = untied
+    layer_ids = [1, 3, NUM_LAYERS - 1]
+    extractor = TargetFeatureExtractor(path, layer_ids, dtype=torch.float32, device="cpu")
+    input_ids = _input_ids(2, 9)
+    expected = extractor(input_ids)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    extractor.compile_layers(backend="eager", fullgraph=True)
+    torch.testing.assert_close(extractor(input_ids), expected, atol=1e-6, rtol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()

@@ -198,6 +198,16 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, Qwen3RMSNorm):
                 module.weight.fill_(1.0)
 
+    def compile_layers(self, **compile_options: Any) -> None:
+        """torch.compile each decoder layer ("regional compilation").
+
+        The layers share one compiled graph, so a cold start compiles one layer's forward and
+        backward instead of the whole unrolled drafter; fusion inside a layer, where the elementwise
+        work is, is the same. The few ops around the layers (fc, two norms, RoPE tables) stay eager.
+        """
+        for layer in self.layers:
+            layer.compile(**compile_options)
+
     def forward(
         self,
         context_features: torch.Tensor,

@@ -142,6 +142,11 @@ class TargetFeatureExtractor(nn.Module):
         self._attach(decoder)
         return self
 
+    def compile_layers(self, **compile_options: Any) -> None:
+        """torch.compile each decoder layer: one graph shared by all layers (fused norms, RoPE, SiLU)."""
+        for layer in self.decoder.layers:
+            layer.compile(**compile_options)
+
     def _capture_hook(self, layer_id: int) -> Callable[[nn.Module, tuple, Any], None]:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             # Decoder layers return a tensor in transformers 5 and a tuple in older remote code.
