@@ -613,6 +613,7 @@ class Bench:
             "recompiles_after_warmup": watch.result()["recompiles"],
             "recompile_reasons": watch.result()["recompile_reasons"],
             "dynamo_frames_compiled_total": bl.frames_compiled_total(),
+            "compile_seconds_so_far": bl.compile_seconds(),
         }
 
     def section_target_only(self) -> dict:
@@ -648,6 +649,7 @@ class Bench:
             "iters": args.iters,
             "warmup": args.warmup,
             "first_forward_s": first_forward_s,
+            "compile_seconds_so_far": bl.compile_seconds(),
             "recompiles_after_warmup": watch.result()["recompiles"],
         }
 

@@ -467,6 +467,17 @@ def frames_compiled_total() -> int:
     return _frames_compiled()
 
 
+def compile_seconds() -> dict[str, list[float]]:
+    """Seconds per compilation phase so far (dynamo's `dynamo_timed` metrics), one entry per frame/graph.
+
+    Where a cold start goes: tracing (`_compile.compile_inner`), the forward and backward inductor
+    builds (`compile_fx.<locals>.fw_compiler_base`, `...bw_compiler`), waiting on Triton workers.
+    """
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {name: [round(t, 2) for t in times] for name, times in compilation_time_metrics.items()}
+
+
 # ----------------------------------------------------------------------------------------- memory
 
 

@@ -155,8 +155,8 @@ def block_labels(
     flat_positions = label_positions.clamp(max=seq_len - 1).flatten(1)
     labels = input_ids.gather(1, flat_positions).view_as(label_positions)
     is_response = loss_mask.bool().gather(1, flat_positions).view_as(label_positions)
-    decay = torch.exp(-(offsets - 1).float() / gamma)
-    decay[0] = 0.0
+    # Index 0 zeroed with where(), not an item assignment: that would copy a host scalar (a sync).
+    decay = torch.where(offsets == 0, 0.0, torch.exp(-(offsets - 1).float() / gamma))
     weights = decay * (valid[:, :, None] & in_range & is_response).float()
     return labels, weights
 

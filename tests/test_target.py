@@ -117,3 +117,23 @@ def test_compiled_layers_capture_the_same_features(untied: tuple[Path, Qwen3ForC
     torch.testing.assert_close(extractor(input_ids), expected, atol=1e-6, rtol=1e-6)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_inductor_compiled_target_matches_eager_in_bf16_on_cuda() -> None:
+    config = Qwen3Config(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=1000,
+    )
+    extractor = TargetFeatureExtractor.build_random(config, [1, 3], torch.bfloat16, "cuda", seed=0)
+    input_ids = torch.randint(0, 1000, (2, 192), generator=torch.Generator().manual_seed(0)).cuda()
+    expected = extractor(input_ids)
+    extractor.compile_layers()
+    for _ in range(2):  # the second call runs the cached graph
+        torch.testing.assert_close(extractor(input_ids), expected, atol=5e-2, rtol=5e-2)
