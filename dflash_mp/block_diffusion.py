@@ -25,7 +25,7 @@ from typing import Any, TypedDict
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -196,23 +196,67 @@ def dense_block_mask(anchors: Tensor, context_len: int, block_size: int) -> Tens
     )
 
 
-# Compiled, mask creation evaluates mask_mod tile by tile instead of materialising [B,Q,S+Q]
-# (the torch docs' recommendation; create_block_mask's `_compile` flag is deprecated).
-_compiled_create_block_mask = torch.compile(create_block_mask)
+# flex_attention's default tile: masks are described per (128 queries x 128 keys) tile.
+FLEX_TILE = 128
+
+
+def _tiles_to_ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
+    """[B, Qt, KVt] bool -> (count [B,1,Qt], indices [B,1,Qt,KVt]) int32, the listed tiles first."""
+    count = tiles.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return count[:, None].contiguous(), indices[:, None].contiguous()
 
 
 def flex_block_mask(anchors: Tensor, context_len: int, block_size: int) -> BlockMask:
-    """The block-sparse mask as a flex_attention BlockMask (heads broadcast); compiled on GPU."""
+    """The block-sparse mask as a flex_attention BlockMask (heads broadcast), built tile by tile.
+
+    The mask's structure is known, so each (query tile, key tile) is classified from the anchors
+    alone: a context tile is *full* when every query's anchor lies beyond it, *empty* when none
+    does; block-token tiles are partial where the query and key block ranges meet. That is a few
+    small tensor ops, instead of evaluating mask_mod on all Q x (S+Q) pairs as create_block_mask
+    does (compiled, that took 155 s of cold start on an H200; eager, it materialises the pairs).
+    Partial tiles apply `block_mask_mod` element by element, so the result is exact.
+    """
     batch, num_anchors = anchors.shape
     num_queries = num_anchors * block_size
-    create = _compiled_create_block_mask if anchors.is_cuda else create_block_mask
-    return create(
-        block_mask_mod(anchors, context_len, block_size),
-        batch,
-        None,
-        num_queries,
-        context_len + num_queries,
-        device=anchors.device,
+    num_keys = context_len + num_queries
+    q_tiles, kv_tiles = -(-num_queries // FLEX_TILE), -(-num_keys // FLEX_TILE)
+    device = anchors.device
+    # Each query's anchor, padded to whole tiles with the last one (padding rows are never computed).
+    query_anchor = anchors[:, :, None].expand(batch, num_anchors, block_size).reshape(batch, num_queries)
+    padding = q_tiles * FLEX_TILE - num_queries
+    query_anchor = torch.cat([query_anchor, query_anchor[:, -1:].expand(batch, padding)], dim=1)
+    per_tile = query_anchor.view(batch, q_tiles, FLEX_TILE)
+    lowest, highest = per_tile.min(-1).values[:, :, None], per_tile.max(-1).values[:, :, None]
+
+    key_start = torch.arange(kv_tiles, device=device) * FLEX_TILE
+    key_end = (key_start + FLEX_TILE).clamp(max=num_keys)
+    # Context keys [key_start, min(key_end, S)): query q sees key j iff j < anchor(q).
+    sees_context = (key_start < context_len) & (key_start < highest)
+    all_context = (key_end <= context_len) & (key_end <= lowest)
+    # Block keys: block-token t (key S + t) is seen by the queries of block t // Bs only.
+    query_start = torch.arange(q_tiles, device=device) * FLEX_TILE
+    query_end = (query_start + FLEX_TILE).clamp(max=num_queries)
+    first_query_block, last_query_block = query_start // block_size, (query_end - 1) // block_size
+    first_key_block = (key_start.clamp(min=context_len) - context_len) // block_size
+    last_key_block = (key_end - 1 - context_len) // block_size
+    sees_blocks = (
+        (key_end > context_len)
+        & (first_key_block <= last_query_block[:, None])
+        & (first_query_block[:, None] <= last_key_block)
+    )
+    full = all_context
+    partial = (sees_context | sees_blocks) & ~full
+    kv_count, kv_indices = _tiles_to_ordered(partial)
+    full_count, full_indices = _tiles_to_ordered(full)
+    return BlockMask.from_kv_blocks(
+        kv_count,
+        kv_indices,
+        full_count,
+        full_indices,
+        BLOCK_SIZE=FLEX_TILE,
+        mask_mod=block_mask_mod(anchors, context_len, block_size),
+        seq_lengths=(num_queries, num_keys),
     )
 
 

@@ -51,11 +51,12 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     from dflash_mp.config import compose_config, to_dataclass, validate
+    from dflash_mp.distributed import pick_device
 
     cfg = to_dataclass(compose_config(sys.argv[1:] if argv is None else argv))
     validate(cfg)
     records: list[dict] = []
-    reference_train(cfg, on_step=records.append)
+    reference_train(cfg, device=pick_device(cfg.train.device, local_rank=0), on_step=records.append)
     window = max(1, min(20, len(records) // 10))
     first = sum(r["loss"] for r in records[:window]) / window
     last = sum(r["loss"] for r in records[-window:]) / window

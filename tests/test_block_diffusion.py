@@ -199,14 +199,30 @@ def test_flex_mask_matches_dense_mask() -> None:
         create_mask(mask_mod, 2, 1, 6 * BLOCK, 20 + 6 * BLOCK, device="cpu"),
         brute_force_mask(anchors, 20, BLOCK),
     )
-    # At the BlockMask's tile granularity (128 x 128): a tile is listed iff any pair in it attends.
-    anchors = random_anchors(batch=2, num_anchors=40, context_len=300, seed=1)
-    dense = dense_block_mask(anchors, 300, 16)
-    block_mask = flex_block_mask(anchors, 300, 16)
+
+
+@pytest.mark.parametrize(
+    ("context_len", "block_size", "num_anchors", "has_full_tiles"),
+    [(300, 16, 40, True), (256, 16, 24, True), (1000, 12, 70, True), (129, 3, 50, False)],
+)
+def test_flex_mask_tiles_are_exactly_those_that_attend(
+    context_len: int, block_size: int, num_anchors: int, has_full_tiles: bool
+) -> None:
+    # At the BlockMask's tile granularity (128 x 128): a tile is listed iff any pair in it attends,
+    # and listed as full (no mask_mod applied) iff every pair in it attends.
+    anchors = random_anchors(batch=3, num_anchors=num_anchors, context_len=context_len, seed=context_len)
+    anchors[2] = torch.arange(1, num_anchors + 1) * (context_len // num_anchors)  # evenly spread, all valid
+    dense = dense_block_mask(anchors, context_len, block_size)
+    block_mask = flex_block_mask(anchors, context_len, block_size)
     q_tiles, kv_tiles = math.ceil(dense.shape[2] / 128), math.ceil(dense.shape[3] / 128)
-    padded = F.pad(dense, (0, kv_tiles * 128 - dense.shape[3], 0, q_tiles * 128 - dense.shape[2]))
-    tiles = padded.view(2, 1, q_tiles, 128, kv_tiles, 128).any(5).any(3)
-    assert torch.equal(block_mask.to_dense().bool(), tiles)
+    padding = (0, kv_tiles * 128 - dense.shape[3], 0, q_tiles * 128 - dense.shape[2])
+    # Padding rows/keys are never computed: they neither make a tile attend nor stop it being full.
+    tiles = F.pad(dense, padding, value=False).view(3, 1, q_tiles, 128, kv_tiles, 128)
+    full_tiles = F.pad(dense, padding, value=True).view(3, 1, q_tiles, 128, kv_tiles, 128)
+    assert torch.equal(block_mask.to_dense().bool(), tiles.any(5).any(3))
+    full = BlockMask.from_kv_blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    assert torch.equal(full.to_dense().bool(), full_tiles.all(5).all(3))
+    assert bool(full.to_dense().any()) == has_full_tiles
 
 
 def attention_inputs(
@@ -219,12 +235,18 @@ def attention_inputs(
     ]
 
 
-def test_flex_attention_matches_sdpa_on_cpu_forward() -> None:
-    anchors = random_anchors(batch=2, num_anchors=10, context_len=50)
-    query, key, value = attention_inputs(2, 2, 10 * BLOCK, 50 + 10 * BLOCK)
-    flex_out = flex_attention(query, key, value, block_mask=flex_block_mask(anchors, 50, BLOCK))
+@pytest.mark.parametrize(("context_len", "block_size", "num_anchors"), [(50, BLOCK, 10), (1000, 12, 70)])
+def test_flex_attention_matches_sdpa_on_cpu_forward(
+    context_len: int, block_size: int, num_anchors: int
+) -> None:
+    anchors = random_anchors(batch=2, num_anchors=num_anchors, context_len=context_len)
+    anchors[1] = torch.arange(1, num_anchors + 1) * (context_len // num_anchors)  # full tiles (none skipped)
+    num_queries = num_anchors * block_size
+    query, key, value = attention_inputs(2, 2, num_queries, context_len + num_queries)
+    block_mask = flex_block_mask(anchors, context_len, block_size)
+    flex_out = flex_attention(query, key, value, block_mask=block_mask)
     sdpa_out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=dense_block_mask(anchors, 50, BLOCK)
+        query, key, value, attn_mask=dense_block_mask(anchors, context_len, block_size)
     )
     torch.testing.assert_close(flex_out, sdpa_out, atol=1e-5, rtol=1e-5)
 
