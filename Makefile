@@ -13,6 +13,8 @@ ARGS ?=
 SHAPE ?= qwen3-8b
 DEVICE ?= auto
 BENCH_OUT ?= bench-$(SHAPE).json
+# 2: 1 target + 1 drafter rank (every section); 1: one GPU plays both roles (stage sections only).
+BENCH_RANKS ?= 2
 
 .PHONY: help setup test lint format train eval plot start status stop doctor bench clean
 
@@ -63,8 +65,8 @@ stop: setup ## Stop a job (checkpoint first, SIGKILL after a timeout): RUN_DIR=p
 doctor: setup ## Preflight checks for a config; ARGS="key=value ..."
 	$(PY) -m dflash_mp.launch doctor $(ARGS)
 
-bench: setup ## GPU benchmark, 2 ranks (SHAPE=qwen3-8b|qwen3-4b|tiny DEVICE=auto|cpu BENCH_OUT=path BENCH_ARGS=...)
-	NCCL_NVLS_ENABLE=0 $(PY) -m torch.distributed.run --standalone --nproc-per-node 2 bench/bench.py \
+bench: setup ## GPU benchmark (SHAPE=qwen3-8b|qwen3-4b|tiny DEVICE=auto|cpu BENCH_RANKS=2|1 BENCH_OUT=path BENCH_ARGS=...)
+	NCCL_NVLS_ENABLE=0 $(PY) -m torch.distributed.run --standalone --nproc-per-node $(BENCH_RANKS) bench/bench.py \
 		--shape $(SHAPE) --device $(DEVICE) --out $(BENCH_OUT) $(BENCH_ARGS)
 
 clean: ## Remove .venv and local run outputs

@@ -306,16 +306,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, head: Tensor, labels: Tensor, scale: Tensor, chunk_tokens: int):
+    def forward(
+        ctx,
+        hidden: Tensor,
+        head: Tensor,
+        labels: Tensor,
+        scale: Tensor,
+        chunk_tokens: int,
+        grad_enabled: bool,
+    ):
         rows = hidden.shape[0]
-        need_hidden_grad, need_head_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # Under no_grad nobody will call backward: skip the gradient matmuls.
+        need_hidden_grad = grad_enabled and ctx.needs_input_grad[0]
+        need_head_grad = grad_enabled and ctx.needs_input_grad[1]
         ce_and_grad = _compiled_ce_and_grad() if hidden.is_cuda else _ce_and_grad
         # Equal chunks (at most two sizes), so the compiled part sees few shapes.
         num_chunks = max(1, -(-rows // chunk_tokens))
         size = max(1, -(-rows // num_chunks))
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
-        hidden_grad = torch.zeros_like(hidden) if need_hidden_grad else None
+        hidden_grad = torch.empty_like(hidden) if need_hidden_grad else None  # every row is written
         head_grad = torch.zeros_like(head, dtype=torch.float32) if need_head_grad else None
         for start in range(0, rows, size):
             rows_of_chunk = slice(start, start + size)
@@ -340,7 +350,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hidden_grad = hidden_grad * loss_grad.to(hidden_grad.dtype)
         if head_grad is not None:
             head_grad = (head_grad * loss_grad).to(ctx.head_dtype)
-        return hidden_grad, head_grad, None, None, None
+        return hidden_grad, head_grad, None, None, None, None
 
 
 def chunked_lm_head_loss(
@@ -365,7 +375,9 @@ def chunked_lm_head_loss(
     weight_sum = weights.float().sum()
     # clamp_min: an all-zero-weight batch gives 0 / tiny = 0, not NaN, and keeps the graph.
     scale = scored_weights / weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
-    loss, correct = _LinearCrossEntropy.apply(scored_hidden, head_weight, scored_labels, scale, chunk_tokens)
+    loss, correct = _LinearCrossEntropy.apply(
+        scored_hidden, head_weight, scored_labels, scale, chunk_tokens, torch.is_grad_enabled()
+    )
     scored = (scored_weights > 0).view(-1, block_size - 1)
     zero = torch.zeros(1, dtype=torch.long, device=weights.device)
     correct_by_index = torch.cat([zero, (correct.view_as(scored) & scored).sum(0)])

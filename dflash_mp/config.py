@@ -131,8 +131,8 @@ class TrainConfig:
 @dataclass
 class WatchdogConfig:
     # Seconds without progress after which a rank is reported hung and the job torn down (0 disables).
-    # Generous: the first drafter step compiles for minutes at production shapes (222 s measured
-    # at Qwen3-8B shape on an H200, BENCHMARKS.md), and that must not read as a hang.
+    # Generous: a large target can take minutes to load, and a cold torch.compile of the first
+    # steps (25 s at Qwen3-8B shape on an H200, BENCHMARKS.md) must not read as a hang either.
     timeout_s: float = 900.0
 
 
