@@ -38,7 +38,6 @@ import platform  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import traceback  # noqa: E402
-from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
@@ -47,7 +46,7 @@ import benchlib as bl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dflash_mp.distributed import Job, env_ranks, init_job, pick_device  # noqa: E402
+from dflash_mp.distributed import init_job  # noqa: E402
 from dflash_mp.roles import features_of, hidden_states_for_drafter, run_drafter, run_target  # noqa: E402
 from dflash_mp.topology import Topology  # noqa: E402
 from dflash_mp.trainer import DrafterTrainer, resolve_precision  # noqa: E402
@@ -184,29 +183,6 @@ class RecordingTrainer:
         return record
 
 
-def init_single_rank_job(topology: Topology, device_request: str, timeout_s: float = 600.0) -> Job:
-    """init_job for a 1-rank run: the default group and a gloo meta group, and no drafter group
-    (init_job's drafter group spans ranks targets..world, which a world of 1 does not have); the
-    one process plays both roles, so its trainer runs without DDP."""
-    rank, local_rank, world_size = env_ranks()
-    device = pick_device(device_request, local_rank)
-    timeout = timedelta(seconds=timeout_s)
-    if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
-    else:
-        dist.init_process_group("gloo", timeout=timeout)
-    meta_group = dist.new_group(backend="gloo", timeout=timeout)
-    return Job(
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        topology=topology,
-        device=device,
-        meta_group=meta_group,
-        drafter_group=None,
-    )
-
-
 def roles_by_rank(world: int) -> dict[str, str]:
     """The header's setup.roles: rank -> role(s), '+'-joined where one rank plays both."""
     if world == 1:
@@ -248,7 +224,8 @@ class Bench:
         own = self.partial_paths[int(os.environ["RANK"])]
         if os.path.exists(own):
             os.remove(own)
-        self.job = (init_single_rank_job if self.single else init_job)(self.topology, args.device)
+        # One rank plays both roles: no drafter group, so its trainer runs without DDP.
+        self.job = init_job(self.topology, args.device, drafter_group=not self.single)
         self.rank, self.device = self.job.rank, self.job.device
         # The roles this process plays: one per rank on 2 ranks, both on 1.
         self.roles = set(ROLES) if self.single else {ROLES[self.rank]}

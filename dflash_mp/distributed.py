@@ -65,7 +65,11 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_job(topology: Topology, device_request: str, timeout_s: float = 600.0) -> Job:
+def init_job(
+    topology: Topology, device_request: str, timeout_s: float = 600.0, drafter_group: bool = True
+) -> Job:
+    """This rank's device and groups. drafter_group=False (a one-process run that plays both roles,
+    e.g. the benchmark on one GPU) skips the drafter group: its trainer then runs without DDP."""
     rank, local_rank, world_size = env_ranks()
     device = pick_device(device_request, local_rank)
     timeout = timedelta(seconds=timeout_s)
@@ -74,9 +78,9 @@ def init_job(topology: Topology, device_request: str, timeout_s: float = 600.0) 
     else:
         dist.init_process_group("gloo", timeout=timeout)
     meta_group = dist.new_group(backend="gloo", timeout=timeout)
-    drafter_ranks = list(range(topology.targets, topology.world_size))
+    drafter_ranks = list(range(topology.targets, topology.world_size)) if drafter_group else []
     # new_group is collective over the world: every rank calls it, members or not.
-    drafter_group = dist.new_group(ranks=drafter_ranks, timeout=timeout)
+    group = dist.new_group(ranks=drafter_ranks, timeout=timeout) if drafter_ranks else None
     return Job(
         rank=rank,
         local_rank=local_rank,
@@ -84,7 +88,7 @@ def init_job(topology: Topology, device_request: str, timeout_s: float = 600.0) 
         topology=topology,
         device=device,
         meta_group=meta_group,
-        drafter_group=drafter_group if rank in drafter_ranks else None,
+        drafter_group=group if rank in drafter_ranks else None,
     )
 
 
