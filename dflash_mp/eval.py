@@ -298,16 +298,17 @@ def _propose(
     embed_weight = target.get_input_embeddings().weight
     head = target.get_output_embeddings()
     context_len = context_features.shape[0]
-    # forward(), not __call__: a drafter compiled for training (nn.Module.compile wraps __call__)
-    # would recompile for every new context length here.
-    hidden = drafter.forward(
-        context_features[None].to(param.dtype),
-        F.embedding(block_ids, embed_weight).to(param.dtype),
-        torch.arange(context_len, device=device)[None],
-        torch.arange(start, start + size, device=device)[None],
-        # One block that sees all context before it and itself: everything.
-        torch.ones(1, 1, size, context_len + size, dtype=torch.bool, device=device),
-    )
+    # Eager even when the layers are compiled for training: a new context length every call would
+    # otherwise recompile them, and fill the compile cache that training shapes need.
+    with torch.compiler.set_stance("force_eager"):
+        hidden = drafter(
+            context_features[None].to(param.dtype),
+            F.embedding(block_ids, embed_weight).to(param.dtype),
+            torch.arange(context_len, device=device)[None],
+            torch.arange(start, start + size, device=device)[None],
+            # One block that sees all context before it and itself: everything.
+            torch.ones(1, 1, size, context_len + size, dtype=torch.bool, device=device),
+        )
     # Output at block index k guesses the token at start + k; index 0 is the known token.
     logits = head(hidden[0, 1:].to(head.weight.dtype))
     proposals = _pick(logits, temperature, generator).tolist()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -57,6 +58,25 @@ def test_greedy_speculative_decoding_is_exactly_target_greedy(setup: dict) -> No
         assert speculative.new_tokens == plain.new_tokens == hf, prompt.source
         if i < 2:  # trained on these: most tokens came from accepted drafts, not from the target
             assert sum(speculative.acceptance_lengths) / len(speculative.acceptance_lengths) > 3
+
+
+def test_a_drafter_compiled_for_training_decodes_eagerly(setup: dict) -> None:
+    target, drafter, tokenizer = setup["target"], setup["drafter"], setup["tokenizer"]
+    prompt, stops = setup["prompts"][0], stop_token_ids(tokenizer, target)
+    expected = speculative_generate(drafter, target, prompt.input_ids, NEW_TOKENS, stops)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled_drafter = copy.deepcopy(drafter)  # the module-scoped one stays uncompiled
+    compiled_drafter.compile_layers(backend="eager")
+    try:
+        compiled = speculative_generate(compiled_drafter, target, prompt.input_ids, NEW_TOKENS, stops)
+    finally:
+        torch._dynamo.reset()
+    assert compiled.new_tokens == expected.new_tokens
+    assert compiled.acceptance_lengths == expected.acceptance_lengths
+    # Decoding sees a new context length at every block: none of them may be compiled.
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
 
 
 def test_statistics_add_up(setup: dict) -> None:
