@@ -293,8 +293,9 @@ def _ce_and_grad(logits: Tensor, labels: Tensor, scale: Tensor) -> tuple[Tensor,
 
 @functools.cache
 def _compiled_ce_and_grad() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
-    # Static: chunks have at most two sizes per micro-batch shape.
-    return torch.compile(_ce_and_grad, dynamic=False)
+    # Chunks have at most two sizes per micro-batch shape; a micro-batch of another size (records
+    # skipped as bad) makes the row count dynamic once, instead of a recompile per size.
+    return torch.compile(_ce_and_grad)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
