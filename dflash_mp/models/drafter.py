@@ -201,9 +201,10 @@ class DFlashDrafter(nn.Module):
     def compile_layers(self, **compile_options: Any) -> None:
         """torch.compile each decoder layer ("regional compilation").
 
-        The layers share one compiled graph, so a cold start compiles one layer's forward and
-        backward instead of the whole unrolled drafter; fusion inside a layer, where the elementwise
-        work is, is the same. The few ops around the layers (fc, two norms, RoPE tables) stay eager.
+        Two compiled graphs serve all layers (layer 0, whose input needs no gradient, and the rest),
+        so a cold start compiles two layers' forward and backward instead of the whole unrolled
+        drafter; fusion inside a layer, where the elementwise work is, is the same. The few ops
+        around the layers (fc, two norms, RoPE tables) stay eager.
         """
         for layer in self.layers:
             layer.compile(**compile_options)
