@@ -406,6 +406,14 @@ def drafter_problem(seed: int = 0) -> tuple[StandInDrafter, Tensor, Tensor, Simp
     return StandInDrafter(), torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN), batch
 
 
+def drafter_problem_on_cuda(seed: int) -> tuple[StandInDrafter, Tensor, Tensor, SimpleNamespace]:
+    drafter, embed, head, batch = drafter_problem(seed)
+    batch = SimpleNamespace(
+        **{k: v.detach().cuda() if isinstance(v, Tensor) else v for k, v in vars(batch).items()}
+    )
+    return drafter.cuda(), embed.cuda(), head.cuda(), batch
+
+
 LOSS_ARGS = {"seed": 3, "num_anchors": 6, "gamma": 7.0}
 
 
@@ -465,14 +473,10 @@ def test_drafter_loss_flex_matches_sdpa_on_cpu_forward() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_drafter_loss_flex_matches_sdpa_on_cuda_with_gradients() -> None:
-    drafter, embed, head, batch = drafter_problem(seed=2)
-    drafter.cuda()
-    batch = SimpleNamespace(
-        **{k: v.detach().cuda() if isinstance(v, Tensor) else v for k, v in vars(batch).items()}
-    )
+    drafter, embed, head, batch = drafter_problem_on_cuda(seed=2)
     results = {}
     for attention in ("sdpa", "flex"):
-        loss, _ = drafter_loss(drafter, embed.cuda(), head.cuda(), batch, attention=attention, **LOSS_ARGS)
+        loss, _ = drafter_loss(drafter, embed, head, batch, attention=attention, **LOSS_ARGS)
         results[attention] = (loss, torch.autograd.grad(loss, list(drafter.parameters())))
     torch.testing.assert_close(results["flex"][0], results["sdpa"][0], atol=1e-4, rtol=1e-4)
     for flex_grad, sdpa_grad in zip(results["flex"][1], results["sdpa"][1], strict=True):
@@ -511,12 +515,7 @@ def test_compiled_bf16_chunked_loss_matches_fp32_reference_on_cuda() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_warm_compiled_drafter_micro_step_never_waits_on_the_gpu() -> None:
-    drafter, embed, head, batch = drafter_problem(seed=3)
-    drafter.cuda()
-    batch = SimpleNamespace(
-        **{k: v.detach().cuda() if isinstance(v, Tensor) else v for k, v in vars(batch).items()}
-    )
-    embed, head = embed.cuda(), head.cuda()
+    drafter, embed, head, batch = drafter_problem_on_cuda(seed=3)
     for warm in (True, False):
         # The first call compiles (which may synchronise); the second must not read the GPU back.
         torch.cuda.set_sync_debug_mode("warn" if warm else "error")
