@@ -121,6 +121,29 @@ def test_anchors_cover_every_eligible_position_across_epochs() -> None:
     assert seen == eligible
 
 
+def test_anchors_are_uniform_over_eligible_positions_and_use_every_id_bit() -> None:
+    _, loss_mask, lengths = make_sequences([40], seq_len=40)
+    eligible = [p for p in range(40) if loss_mask[0, p] and 1 <= p < 39]
+    counts = torch.zeros(40)
+    epochs, per_draw = 3000, 4
+    for epoch in range(epochs):
+        anchors, _ = sample_anchors(
+            loss_mask, lengths, torch.tensor([5]), epoch, seed=1, num_anchors=per_draw
+        )
+        counts[anchors[0]] += 1
+    expected = epochs * per_draw / len(eligible)
+    # Binomial spread: a 6-sigma band around the expected count of every eligible position.
+    sigma = math.sqrt(expected * (1 - 1 / len(eligible)))
+    assert (counts[eligible] - expected).abs().max() < 6 * sigma, counts[eligible]
+    assert counts.sum() == counts[eligible].sum()
+    # Sample ids that differ only above bit 32 still draw different anchors.
+    low, high = (
+        sample_anchors(loss_mask, lengths, torch.tensor([i]), 0, seed=1, num_anchors=per_draw)[0]
+        for i in (7, 7 + 2**40)
+    )
+    assert not torch.equal(low, high)
+
+
 def test_anchor_sampling_has_static_shapes_and_never_reads_the_device() -> None:
     # Meta tensors have shapes but no values: .cpu(), .item(), nonzero() or a Generator fed from
     # tensor values would raise, so this passing means no host synchronisation on a GPU either.
