@@ -192,10 +192,8 @@ def roles_by_rank(world: int) -> dict[str, str]:
 
 def rank_of(setup: dict, role: str) -> str:
     """The rank (as a JSON key) that ran `role`, from setup.roles (2-rank layout if absent)."""
-    for rank, roles in (setup.get("roles") or roles_by_rank(2)).items():
-        if role in str(roles).split("+"):
-            return rank
-    return str(ROLES.index(role))
+    roles = setup.get("roles") or roles_by_rank(2)
+    return next(rank for rank, played in roles.items() if role in played.split("+"))
 
 
 def busy_fraction(marks: bl.Marks, intervals: list[tuple[int, int]]) -> tuple[float, float]:
