@@ -17,7 +17,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from dflash_mp.embedded import embedded_path
+from dflash_mp.embedded import embedded_path, target_dir
 
 
 class ConfigError(ValueError):
@@ -214,6 +214,10 @@ def resolved_target_layer_ids(cfg: DictConfig | RootConfig, num_target_layers: i
     return list(ids)
 
 
+def _is_embedded_target(target_path: str) -> bool:
+    return Path(target_path).resolve() == target_dir().resolve()
+
+
 def _choice(problems: list[str], name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         problems.append(f"{name}={value!r}: must be one of {', '.join(map(repr, allowed))}")
@@ -270,6 +274,13 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
 
     _at_least(problems, "watchdog.timeout_s", cfg.watchdog.timeout_s, 0.0, " (0 disables)")
     _at_least(problems, "eval.every", cfg.eval.every, 0, " (0 disables)")
+    if cfg.eval.every and not cfg.data.eval_files and not _is_embedded_target(str(m.target_path)):
+        # The embedded toy prompts say nothing about a real target's acceptance length.
+        problems.append(
+            f"eval.every={cfg.eval.every} measures tau on held-out prompts, but data.eval_files is empty: "
+            "set data.eval_files=[/path/eval.jsonl] (prompts in the training data's format, not in "
+            "data.train_files), or eval.every=0 to train without it"
+        )
     _choice(problems, "logger.backend", cfg.logger.backend, ("none", "wandb"))
     _choice(problems, "logger.mode", cfg.logger.mode, ("offline", "online", "disabled"))
 

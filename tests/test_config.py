@@ -64,3 +64,19 @@ def test_default_layer_choice_matches_dflash():
     for layers in (6, 28, 36, 64):
         for draft in (1, 2, 3, 5):
             assert default_target_layer_ids(layers, draft) == build_target_layer_ids(layers, draft)
+
+
+def test_paper_recipe_checkpoints_and_needs_held_out_prompts_for_a_real_target(tmp_path):
+    """experiment=paper evaluates tau on the user's held-out prompts, never the embedded toy ones."""
+    target = tmp_path / "Qwen3-8B"
+    target.mkdir()
+    (target / "config.json").write_text('{"num_hidden_layers": 36, "max_position_embeddings": 40960}')
+    data = tmp_path / "train.jsonl"
+    data.write_text("{}\n")
+    common = ("experiment=paper", f"model.target_path={target}", f"data.train_files=[{data}]")
+    cfg = _cfg(*common)
+    assert cfg.train.checkpoint_every > 0 and cfg.eval.every > 0
+    with pytest.raises(ConfigError, match=r"data.eval_files is empty: set data.eval_files="):
+        validate(cfg, world_size=8)
+    validate(_cfg(*common, f"data.eval_files=[{data}]"), world_size=8)
+    validate(_cfg(*common, "eval.every=0"), world_size=8)
