@@ -55,6 +55,10 @@ def preflight(
             uses_gpu = cfg.train.device != "cpu" and torch.cuda.is_available()
             checks += [check_devices(cfg.train.device, per_node), check_backends(uses_gpu)]
         checks.append(check_target(cfg.model.target_path))
+        if checks[0].ok:  # a sample of the data through the real tokenizer and template
+            from dflash_mp.data.preflight import check_data_sample
+
+            checks.append(Check("data", *check_data_sample(cfg)))
     checks += [check_disk(run_dir), check_reaper()]
     if port is not None:
         checks.append(check_port(port))
