@@ -55,7 +55,7 @@ def preflight(
             uses_gpu = cfg.train.device != "cpu" and torch.cuda.is_available()
             checks += [check_devices(cfg.train.device, per_node), check_backends(uses_gpu)]
         checks.append(check_target(cfg.model.target_path))
-        if checks[0].ok:  # a sample of the data through the real tokenizer and template
+        if not failed(checks):  # a sample of the data through the real tokenizer and template
             from dflash_mp.data.preflight import check_data_sample
 
             checks.append(Check("data", *check_data_sample(cfg)))

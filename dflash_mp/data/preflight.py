@@ -15,12 +15,13 @@ from dflash_mp.data.chat import ChatRenderer, load_renderer
 from dflash_mp.data.errors import BadRecord, DataError
 from dflash_mp.data.order import JsonlIndex
 from dflash_mp.data.reader import TooLong, parse_record
-from dflash_mp.data.records import ACCEPTED_FORMATS
 
 SAMPLE_SIZE = 1000
 EXAMPLES_PER_REASON = 3
 # Upper edges of the length histogram, as fractions of data.max_length.
 HISTOGRAM_EDGES = (0.25, 0.5, 0.75, 1.0)
+# Continuation lines of the report line up under the message column of `doctor`'s output.
+INDENT = " " * 16
 
 
 @dataclass
@@ -36,7 +37,14 @@ class SampleReport:
     # Full token lengths, before truncation (so the histogram shows how much is cut).
     lengths: list[int] = field(default_factory=list)
     bad: Counter = field(default_factory=Counter)  # kind -> count
-    examples: dict[str, list[str]] = field(default_factory=dict)  # kind -> ["file:line: reason"]
+    # kind -> the first bad record in full ("file:line: reason"), then only where others are.
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def add_bad(self, bad: BadRecord) -> None:
+        self.bad[bad.kind] += 1
+        examples = self.examples.setdefault(bad.kind, [])
+        if len(examples) < EXAMPLES_PER_REASON:
+            examples.append(str(bad) if not examples else f"{bad.path}:{bad.line}")
 
     @property
     def sampled(self) -> int:
@@ -63,11 +71,14 @@ class SampleReport:
                 f"loss tokens per record: mean {sum(tokens) / len(tokens):.0f}, min {tokens[0]}, "
                 f"median {tokens[len(tokens) // 2]}, max {tokens[-1]}"
             )
-        lines.append(f"tokens per record vs data.max_length={self.max_length}: {self.histogram()}")
+        if self.lengths:
+            lines.append(f"tokens per record vs data.max_length={self.max_length}: {self.histogram()}")
         if self.truncated or self.too_long_skipped:
             lines.append(f"too long: {self.truncated} truncated, {self.too_long_skipped} skipped")
         for kind, count in self.bad.most_common():
-            lines.append(f"skipped {count} ({kind}), e.g. " + "; ".join(self.examples[kind]))
+            first, *others = self.examples[kind]
+            also = f" (also {', '.join(others)})" if others else ""
+            lines.append(f"skipped {count} ({kind}), e.g. {first}{also}")
         return "\n".join(lines)
 
 
@@ -88,10 +99,7 @@ def sample_report(
             # Parsed whole (no limit) for the length histogram, then cut the way training cuts.
             sample = parse_record(raw, path, line, tokenizer, 1 << 62, record_id, renderer=renderer)
         except BadRecord as bad:
-            report.bad[bad.kind] += 1
-            examples = report.examples.setdefault(bad.kind, [])
-            if len(examples) < EXAMPLES_PER_REASON:
-                examples.append(str(bad))
+            report.add_bad(bad)
             continue
         length = len(sample.input_ids)
         report.lengths.append(length)
@@ -111,8 +119,7 @@ def sample_report(
                 report.too_long_skipped += 1
                 continue
             except BadRecord as bad:  # nothing to learn in what truncation keeps
-                report.bad[bad.kind] += 1
-                report.examples.setdefault(bad.kind, []).append(str(bad))
+                report.add_bad(bad)
                 continue
             report.truncated += 1
         report.parsed += 1
@@ -124,7 +131,7 @@ def judge(report: SampleReport, max_bad_fraction: float, on_bad_record: str) -> 
     """Why training on this data must not start (None: it may)."""
     bad = sum(report.bad.values())
     if "unknown format" in report.bad and report.bad["unknown format"] == report.sampled:
-        return f"no record of the sample is in an accepted format ({ACCEPTED_FORMATS})"
+        return "no record of the sample is in an accepted format"
     if bad and on_bad_record == "fail":
         return f"{bad} bad record(s) in the sample and data.on_bad_record=fail: fix them or set data.on_bad_record=skip"
     if report.bad_fraction > max_bad_fraction:
@@ -151,5 +158,5 @@ def check_data_sample(cfg: Any) -> tuple[bool, str]:
     except Exception as e:  # e.g. a tokenizer that does not load: the target check names the cause
         return False, f"cannot read the data through the target's tokenizer: {type(e).__name__}: {e}"
     problem = judge(report, d.max_bad_fraction, d.on_bad_record)
-    text = report.summary()
-    return (problem is None), (text if problem is None else f"{problem}\n{text}")
+    lines = ([] if problem is None else [problem]) + report.summary().splitlines()
+    return problem is None, f"\n{INDENT}".join(lines)
