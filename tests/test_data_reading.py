@@ -129,3 +129,24 @@ def test_running_bad_fraction_stops_the_reader_once_it_can_judge(tokenizer: Any,
     for m in range(tolerant.order.per_epoch):
         tolerant.read(m)
     assert tolerant.bad_records == (MIN_RECORDS_TO_JUDGE + 50) // 10
+
+
+def test_too_long_counts_reach_the_step_metrics() -> None:
+    from dflash_mp.config import compose_config, to_dataclass
+    from dflash_mp.data import records_of_micro_batch
+    from dflash_mp.reference import reference_train
+
+    cfg = to_dataclass(compose_config(["train.max_steps=2", "data.max_length=48", "train.device=cpu"]))
+    records: list[dict] = []
+    reference_train(cfg, on_step=records.append)
+    index = JsonlIndex(list(cfg.data.train_files))
+    tokenizer = load_tokenizer(cfg.model.target_path)
+    micro_batches = 2 * cfg.train.grad_accum
+    expected = 0
+    for m in range(micro_batches):
+        for i in records_of_micro_batch(m, len(index), cfg.train.micro_batch_size, cfg.train.seed)[1]:
+            ids, _ = tokenize_chat(tokenizer, json.loads(index.read(i)[2])["messages"], 10**9)
+            expected += len(ids) > 48
+    assert expected > 0
+    assert [r["too_long_records"] for r in records] != [0, 0]
+    assert sum(r["too_long_records"] for r in records) == expected
