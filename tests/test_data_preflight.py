@@ -97,3 +97,19 @@ def test_doctor_reports_the_bundled_data_as_usable(tmp_path: Path) -> None:
     checks = doctor.preflight(compose_config(["train.device=cpu"]), tmp_path / "run")
     data = next(c for c in checks if c.name == "data")
     assert data.ok and "sampled records usable" in data.message and "loss tokens per record" in data.message
+
+
+def test_config_names_bad_data_fields(tmp_path: Path) -> None:
+    from dflash_mp.config import ConfigError, validate
+
+    overrides = [
+        "data.on_too_long=cut",
+        "data.max_bad_fraction=1.5",
+        f"data.chat_template={tmp_path / 'missing.jinja'}",
+        "+data.chat_template_kwargs.enable_thinking=false",
+    ]
+    with pytest.raises(ConfigError) as caught:
+        validate(compose_config(overrides))
+    message = str(caught.value)
+    assert "data.on_too_long='cut'" in message and "data.max_bad_fraction=1.5" in message
+    assert "missing.jinja" in message and "chat_template_kwargs" not in message
