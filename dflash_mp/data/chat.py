@@ -110,6 +110,16 @@ class ChatRenderer:
             self._renders_reasoning = False
         self._probed = True
 
+    def _loss_start(self, before: str) -> int:
+        """Where in `before` (the template's text up to a turn's first value) the turn's loss starts:
+        after the generation prompt when it is there ("<think>\\n" is generated, the header is
+        not), else at the value (e.g. a turn before the last user message, or, with
+        enable_thinking=false, a turn whose reasoning the template still renders).
+        """
+        prompt = self._generation_prompt
+        cut = before.rfind(prompt) if prompt else -1
+        return cut + len(prompt) if cut >= 0 else len(before)
+
     def render(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character span of each assistant turn's loss in it.
 
@@ -154,15 +164,9 @@ class ChatRenderer:
             if end < position:
                 raise RecordError("template mismatch", _UNALIGNED)
             if messages[i]["role"] == "assistant":
-                start = position
                 if i not in turn_spans:
-                    # The turn's loss starts after its generation prompt when the template text
-                    # before it holds one (e.g. "<think>\n" is generated, the header is not).
                     before = template_texts[k]
-                    cut = before.rfind(self._generation_prompt) if self._generation_prompt else -1
-                    if cut >= 0:
-                        start = position - len(before) + cut + len(self._generation_prompt)
-                    turn_spans[i] = [start, end]
+                    turn_spans[i] = [position - len(before) + self._loss_start(before), end]
                 turn_spans[i][1] = end
             position = end + len(following)
         return text, [(start, end) for start, end in turn_spans.values()]
