@@ -83,7 +83,16 @@ class Sender:
         self.bytes_sent = 0
 
     def _header(
-        self, flags: int, index: int, epoch: int, batch: int, seq: int, feat: int, dtype, bad: int, too_long: int = 0
+        self,
+        flags: int,
+        index: int,
+        epoch: int,
+        batch: int,
+        seq: int,
+        feat: int,
+        dtype,
+        bad: int,
+        too_long: int = 0,
     ):
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         header[_H_MAGIC], header[_H_VERSION], header[_H_FLAGS] = _MAGIC, _VERSION, flags
@@ -96,7 +105,16 @@ class Sender:
         return header
 
     def send_header(
-        self, dst: int, index: int, epoch: int, batch: int, seq: int, feat: int, dtype, bad: int, too_long: int = 0
+        self,
+        dst: int,
+        index: int,
+        epoch: int,
+        batch: int,
+        seq: int,
+        feat: int,
+        dtype,
+        bad: int,
+        too_long: int = 0,
     ):
         """Announce micro-batch `index` (shapes) before its hidden states exist."""
         header = self._header(0, index, epoch, batch, seq, feat, dtype, bad, too_long)

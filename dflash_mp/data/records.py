@@ -90,7 +90,7 @@ def to_record(obj: Any) -> Conversation | TextRecord:
         return Conversation(_role_messages(turns, "conversations"))
     if "text" in obj:
         return _text_record(obj)
-    keys = ", ".join(sorted(map(str, obj))) or "none"
+    keys = ", ".join(sorted(map(str, obj))[:10]) or "none"
     raise RecordError("unknown format", f"unknown record format (keys: {keys}); accepted: {ACCEPTED_FORMATS}")
 
 
