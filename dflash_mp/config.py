@@ -42,7 +42,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # JSONL files of chat records {"messages": [{"role": ..., "content": ...}, ...]}.
+    # JSONL files, one record per line: {"messages"|"conversations": [{"role", "content"}]},
+    # ShareGPT {"conversations": [{"from", "value"}]} or {"text": ..., "loss_spans": [[start, end]]}.
     train_files: list[str] = field(default_factory=list)
     # Held-out prompts (JSONL, same format) for acceptance-length evaluation.
     eval_files: list[str] = field(default_factory=list)
@@ -54,6 +55,14 @@ class DataConfig:
     num_anchors: int = 512
     # What to do with a malformed record: skip it (counted, logged with file:line) or fail.
     on_bad_record: str = "skip"
+    # A record longer than max_length: truncate it (loss mask kept aligned) or skip it.
+    on_too_long: str = "truncate"
+    # Fail (preflight sample, and each target rank while training) above this fraction of bad records.
+    max_bad_fraction: float = 0.05
+    # A jinja chat template file that replaces the tokenizer's own ("": the tokenizer's).
+    chat_template: str = ""
+    # Extra variables for the chat template, e.g. {enable_thinking: false}.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -290,6 +299,17 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
     _at_least(problems, "data.num_anchors", d.num_anchors, 1)
     _at_least(problems, "data.pad_to_multiple", d.pad_to_multiple, 1)
     _choice(problems, "data.on_bad_record", d.on_bad_record, ("skip", "fail"))
+    _choice(problems, "data.on_too_long", d.on_too_long, ("truncate", "skip"))
+    if not (isinstance(d.max_bad_fraction, (int, float)) and 0.0 <= d.max_bad_fraction <= 1.0):
+        problems.append(f"data.max_bad_fraction={d.max_bad_fraction!r}: must be in [0, 1], e.g. 0.05")
+    if d.chat_template and not os.path.isfile(str(d.chat_template)):
+        problems.append(
+            f"data.chat_template={d.chat_template!r}: file does not exist (a jinja chat template)"
+        )
+    if not isinstance(d.chat_template_kwargs, (dict, DictConfig)):
+        problems.append(
+            f"data.chat_template_kwargs={d.chat_template_kwargs!r}: must be a mapping, e.g. {{enable_thinking: false}}"
+        )
     if not d.train_files:
         problems.append("data.train_files is empty: give at least one JSONL file")
     for i, path in enumerate(list(d.train_files) + list(d.eval_files)):

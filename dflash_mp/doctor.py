@@ -55,6 +55,11 @@ def preflight(
             uses_gpu = cfg.train.device != "cpu" and torch.cuda.is_available()
             checks += [check_devices(cfg.train.device, per_node), check_backends(uses_gpu)]
         checks.append(check_target(cfg.model.target_path))
+        # A sample of the data through the real tokenizer and template, once they can be read.
+        if all(c.ok for c in checks if c.name in ("imports", "config", "target")):
+            from dflash_mp.data.preflight import check_data_sample
+
+            checks.append(Check("data", *check_data_sample(cfg)))
     checks += [check_disk(run_dir), check_reaper()]
     if port is not None:
         checks.append(check_port(port))

@@ -31,14 +31,16 @@ def reference_train(cfg: RootConfig, device: torch.device | str = "cpu", on_step
     reader = make_reader(cfg, index)
     extractor = make_feature_extractor(cfg, dtype, device, compile_layers)
     trainer = DrafterTrainer(cfg, device, steps)
-    bad_before = 0
+    bad_before = too_long_before = 0
     for step in range(steps):
         for m in topology.micro_batches_of_drafter(0, step):
             batch = reader.read(m)
             hidden = hidden_states_for_drafter(extractor, batch, dtype, device)
             bad, bad_before = reader.bad_records - bad_before, reader.bad_records
+            too_long, too_long_before = reader.too_long_records - too_long_before, reader.too_long_records
             trainer.micro_step(
-                features_of(batch, hidden, bad), last_of_step=m == (step + 1) * cfg.train.grad_accum - 1
+                features_of(batch, hidden, bad, too_long),
+                last_of_step=m == (step + 1) * cfg.train.grad_accum - 1,
             )
         record = trainer.optimizer_step()
         if on_step is not None:

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from dflash_mp import checkpoint
 from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
-from dflash_mp.data import JsonlIndex, MicroBatch, MicroBatchReader, load_tokenizer, micro_batches_per_epoch
+from dflash_mp.data import JsonlIndex, MicroBatch, MicroBatchReader, micro_batches_per_epoch
+from dflash_mp.data.chat import load_renderer
 from dflash_mp.distributed import Job
 from dflash_mp.logs import get_logger
 from dflash_mp.topology import Topology
@@ -34,16 +35,22 @@ def total_steps(cfg: RootConfig, num_records: int, topology: Topology) -> int:
 
 
 def make_reader(cfg: RootConfig, index: JsonlIndex) -> MicroBatchReader:
-    tokenizer = load_tokenizer(cfg.model.target_path, trust_remote_code=cfg.model.trust_remote_code)
+    d = cfg.data
+    renderer = load_renderer(
+        cfg.model.target_path, cfg.model.trust_remote_code, d.chat_template, d.chat_template_kwargs
+    )
     return MicroBatchReader(
         index=index,
-        tokenizer=tokenizer,
+        tokenizer=renderer.tokenizer,
         max_length=cfg.data.max_length,
         on_bad_record=cfg.data.on_bad_record,
         micro_batch_size=cfg.train.micro_batch_size,
         seed=cfg.train.seed,
         logger=get_logger(),
         pad_to_multiple=cfg.data.pad_to_multiple,
+        renderer=renderer,
+        on_too_long=d.on_too_long,
+        max_bad_fraction=d.max_bad_fraction,
     )
 
 
@@ -65,7 +72,9 @@ def make_feature_extractor(
     return extractor
 
 
-def features_of(batch: MicroBatch, hidden_states: torch.Tensor, bad_records: int = 0) -> Features:
+def features_of(
+    batch: MicroBatch, hidden_states: torch.Tensor, bad_records: int = 0, too_long_records: int = 0
+) -> Features:
     """A locally read micro-batch in the form the drafter consumes (the reference trainer's path),
     on the hidden states' device, as the transport would deliver it."""
     device = hidden_states.device
@@ -79,6 +88,7 @@ def features_of(batch: MicroBatch, hidden_states: torch.Tensor, bad_records: int
         # The extractor runs under inference_mode; autograd may not save such tensors.
         hidden_states=hidden_states.clone(),
         bad_records=bad_records,
+        too_long_records=too_long_records,
         nbytes=0,
     )
 
@@ -99,7 +109,7 @@ def run_target(cfg: RootConfig, job: Job, start_step: int, steps: int, reader, e
     mine = topology.micro_batches_of_target(job.rank, start, stop)
     feature_size = extractor.hidden_size * len(extractor.layer_ids)
     log.info("producing %d micro-batches in [%d, %d) every %d", len(mine), start, stop, topology.targets)
-    bad_before = reader.bad_records
+    bad_before, too_long_before = reader.bad_records, reader.too_long_records
     for m in mine:
         step = m // topology.micro_batches_per_step
         beat("tokenize", step)
@@ -107,9 +117,10 @@ def run_target(cfg: RootConfig, job: Job, start_step: int, steps: int, reader, e
             batch = reader.read(m)
         dst = topology.drafter_rank(m)
         bad, bad_before = reader.bad_records - bad_before, reader.bad_records
+        too_long, too_long_before = reader.too_long_records - too_long_before, reader.too_long_records
         batch_size, seq_len = batch.input_ids.shape
         # The header goes out before the forward, so the drafter can post its receives early.
-        sender.send_header(dst, m, batch.epoch, batch_size, seq_len, feature_size, dtype, bad)
+        sender.send_header(dst, m, batch.epoch, batch_size, seq_len, feature_size, dtype, bad, too_long)
         beat("forward", step)
         with sender.clock.busy():
             hidden = hidden_states_for_drafter(extractor, batch, dtype, job.device)

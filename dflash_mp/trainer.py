@@ -79,6 +79,7 @@ class StepTotals:
     sequences: int = 0
     bytes_received: int = 0
     bad_records: int = 0
+    too_long_records: int = 0
     correct: torch.Tensor | None = None
     count: torch.Tensor | None = None
     losses: list = field(default_factory=list)
@@ -168,6 +169,7 @@ class DrafterTrainer:
             t.token_counts.append(batch.lengths.sum())
         t.bytes_received += batch.nbytes
         t.bad_records += batch.bad_records
+        t.too_long_records += batch.too_long_records
         if stats is not None:
             t.correct = stats["correct"] if t.correct is None else t.correct + stats["correct"]
             t.count = stats["count"] if t.count is None else t.count + stats["count"]
@@ -186,7 +188,7 @@ class DrafterTrainer:
                 local_loss.reshape(1).to(self.device, torch.float64),
                 local_tokens.reshape(1).to(self.device, torch.float64),
                 torch.tensor(
-                    [t.micro_batches, t.sequences, t.bytes_received, t.bad_records],
+                    [t.micro_batches, t.sequences, t.bytes_received, t.bad_records, t.too_long_records],
                     dtype=torch.float64,
                     device=self.device,
                 ),
@@ -196,8 +198,8 @@ class DrafterTrainer:
         )
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(packed, group=self.group)
-        loss_sum, tokens, micro_batches, sequences, nbytes, bad = packed[:6].tolist()
-        correct, count = packed[6 : 6 + block], packed[6 + block :]
+        loss_sum, tokens, micro_batches, sequences, nbytes, bad, too_long = packed[:7].tolist()
+        correct, count = packed[7 : 7 + block], packed[7 + block :]
 
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), max_norm))
@@ -228,6 +230,7 @@ class DrafterTrainer:
             "acc": per_position_accuracy(correct, count),
             "bytes_received": int(nbytes),
             "bad_records": int(bad),
+            "too_long_records": int(too_long),
             "skipped": not finite,
             "step_time_s": elapsed,
         }

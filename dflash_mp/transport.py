@@ -31,7 +31,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Header slots.
 _H_MAGIC, _H_VERSION, _H_FLAGS, _H_INDEX, _H_EPOCH, _H_BATCH, _H_SEQ, _H_FEAT, _H_DTYPE = range(9)
-_H_BAD_RECORDS, _H_SENDER_BUSY_US, _H_SENDER_WAIT_US = 9, 10, 11
+_H_BAD_RECORDS, _H_SENDER_BUSY_US, _H_SENDER_WAIT_US, _H_TOO_LONG = 9, 10, 11, 12
 
 
 @dataclass
@@ -48,6 +48,7 @@ class Features:
     end_of_data: bool = False
     # Sender-side counters carried in the header (for the role-balance metrics).
     bad_records: int = 0
+    too_long_records: int = 0  # truncated or skipped, per data.on_too_long
     sender_busy_s: float = 0.0
     sender_wait_s: float = 0.0
     nbytes: int = 0
@@ -81,20 +82,42 @@ class Sender:
         self.clock = RoleClock(device)  # the caller times its work with `with sender.clock.busy():`
         self.bytes_sent = 0
 
-    def _header(self, flags: int, index: int, epoch: int, batch: int, seq: int, feat: int, dtype, bad: int):
+    def _header(
+        self,
+        flags: int,
+        index: int,
+        epoch: int,
+        batch: int,
+        seq: int,
+        feat: int,
+        dtype,
+        bad: int,
+        too_long: int = 0,
+    ):
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         header[_H_MAGIC], header[_H_VERSION], header[_H_FLAGS] = _MAGIC, _VERSION, flags
         header[_H_INDEX], header[_H_EPOCH] = index, epoch
         header[_H_BATCH], header[_H_SEQ], header[_H_FEAT] = batch, seq, feat
         header[_H_DTYPE] = _DTYPES.index(dtype)
-        header[_H_BAD_RECORDS] = bad
+        header[_H_BAD_RECORDS], header[_H_TOO_LONG] = bad, too_long
         header[_H_SENDER_BUSY_US] = int(self.clock.busy_s * 1e6)
         header[_H_SENDER_WAIT_US] = int(self.clock.wait_s * 1e6)
         return header
 
-    def send_header(self, dst: int, index: int, epoch: int, batch: int, seq: int, feat: int, dtype, bad: int):
+    def send_header(
+        self,
+        dst: int,
+        index: int,
+        epoch: int,
+        batch: int,
+        seq: int,
+        feat: int,
+        dtype,
+        bad: int,
+        too_long: int = 0,
+    ):
         """Announce micro-batch `index` (shapes) before its hidden states exist."""
-        header = self._header(0, index, epoch, batch, seq, feat, dtype, bad)
+        header = self._header(0, index, epoch, batch, seq, feat, dtype, bad, too_long)
         self.inflight.append((dist.isend(header, dst=dst, group=self.meta_group), header, None))
 
     def send_tensors(self, dst: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -199,6 +222,7 @@ class Receiver:
             hidden_states=hidden,
             end_of_data=end,
             bad_records=h[_H_BAD_RECORDS],
+            too_long_records=h[_H_TOO_LONG],
             sender_busy_s=h[_H_SENDER_BUSY_US] / 1e6,
             sender_wait_s=h[_H_SENDER_WAIT_US] / 1e6,
             nbytes=tokens.numel() * tokens.element_size() + hidden.numel() * hidden.element_size(),

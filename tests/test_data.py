@@ -90,26 +90,16 @@ def test_assistant_mask_is_exact_on_multi_turn_with_system(tokenizer: Any) -> No
     assert learned == ["▁3", "▁4", "▁5", ".", "<|im_end|>", "▁c", "▁a", "▁t", "<|im_end|>"]
 
 
-# Like real Qwen3 templates: contents are trimmed, and only turns after the last user message get a
-# <think> block, so rendering a prefix of the conversation is not a prefix of the whole.
-QWEN3_LIKE_TEMPLATE = (
-    "{%- set ns = namespace(last_user=0) %}"
-    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
-    "{%- endfor %}"
+# Like real Qwen3 templates: contents are trimmed, so the template's text resumes after the content.
+TRIMMING_TEMPLATE = (
     "{%- for m in messages %}"
-    "{%- set content = m.content|trim %}{%- set reasoning = '' %}"
-    "{%- if m.role == 'assistant' and '</think>' in content %}"
-    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1] %}"
-    "{%- set content = content.split('</think>')[-1]|trim %}{%- endif %}"
-    "{%- if m.role == 'assistant' and loop.index0 > ns.last_user %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content|trim + '<|im_end|>\\n' }}"
     "{%- endfor %}"
 )
 
 
-def test_mask_follows_a_template_that_trims_and_moves_think_blocks(tokenizer: Any, monkeypatch) -> None:
-    monkeypatch.setattr(tokenizer, "chat_template", QWEN3_LIKE_TEMPLATE)
+def test_mask_follows_a_template_that_trims_contents(tokenizer: Any, monkeypatch) -> None:
+    monkeypatch.setattr(tokenizer, "chat_template", TRIMMING_TEMPLATE)
     messages = chat(
         ("user", "Count from 3 to 5. "),
         ("assistant", " 3 4 5.\n"),
@@ -120,26 +110,19 @@ def test_mask_follows_a_template_that_trims_and_moves_think_blocks(tokenizer: An
     learned = tokenizer.convert_ids_to_tokens([t for t, m in zip(input_ids, loss_mask, strict=True) if m])
     assert learned == ["▁3", "▁4", "▁5", ".", "<|im_end|>", "▁c", "▁a", "▁t", "<|im_end|>"]
 
-    rewritten = record(("user", "Spell cat."), ("assistant", "<think>hmm</think>c a t"))
-    with pytest.raises(BadRecord, match="reasoning_content"):
-        parse_record(rewritten, "x.jsonl", 7, tokenizer, max_length=128)
-
 
 # ----------------------------------------------------------------------------------------
 # bad records
 
 BAD_RECORDS = {
     "malformed JSON": '{"messages": [',
-    'missing "messages"': json.dumps({"conversation": []}),
+    "unknown record format": json.dumps({"conversation": []}),
     '"messages" must be a list': json.dumps({"messages": "hi"}),
     'message 1 has no "role"': json.dumps({"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}),
     'message 0 has no "content"': json.dumps({"messages": [{"role": "assistant"}]}),
     '"content" must be a string': json.dumps({"messages": [{"role": "assistant", "content": ["b"]}]}),
     "empty conversation": json.dumps({"messages": []}),
     "no assistant turn": record(("user", "Count from 3 to 5.")),
-    "longer than data.max_length=32": record(
-        ("user", "Count from 1 to 30."), ("assistant", " ".join("1" * 30))
-    ),
 }
 
 
@@ -163,13 +146,15 @@ def reader_for(path: Path, tokenizer: Any, on_bad_record: str, micro_batch_size:
     return MicroBatchReader(JsonlIndex([path]), tokenizer, 32, on_bad_record, micro_batch_size, 0, LOGGER)
 
 
-def test_skip_drops_counts_and_logs_each_bad_record_once(tokenizer: Any, tmp_path: Path, caplog) -> None:
+def test_skip_drops_counts_per_epoch_and_logs_each_bad_record_once(
+    tokenizer: Any, tmp_path: Path, caplog
+) -> None:
     path = bad_file(tmp_path)
     reader = reader_for(path, tokenizer, "skip")
     per_epoch = reader.order.per_epoch
     with caplog.at_level(logging.WARNING, logger=LOGGER.name):
         batches = [reader.read(m) for m in range(2 * per_epoch)]  # two epochs: logged once all the same
-    assert reader.bad_records == len(BAD_RECORDS)
+    assert reader.bad_records == 2 * len(BAD_RECORDS)  # counted once per epoch
     assert sum(b.num_sequences for b in batches) == 2 * len(BAD_RECORDS)
     empty = [b for b in batches if b.num_sequences == 0]
     assert all(tuple(b.input_ids.shape) == (0, 0) and b.lengths.numel() == 0 for b in empty)
@@ -180,7 +165,7 @@ def test_skip_drops_counts_and_logs_each_bad_record_once(tokenizer: Any, tmp_pat
 
 
 @pytest.mark.parametrize(
-    "reason", ["malformed JSON", 'message 1 has no "role"', "empty conversation", "longer than"]
+    "reason", ["malformed JSON", 'message 1 has no "role"', "empty conversation", "no assistant turn"]
 )
 def test_fail_raises_data_error_with_file_and_line(tokenizer: Any, tmp_path: Path, reason: str) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD, next(v for k, v in BAD_RECORDS.items() if reason in k)])
@@ -274,13 +259,13 @@ def test_reading_a_micro_batch_reads_only_its_records(tokenizer: Any, tmp_path: 
     path = write_jsonl(tmp_path / "d.jsonl", [GOOD] * 20)
     reader = MicroBatchReader(JsonlIndex([path]), tokenizer, 64, "fail", 4, 1, LOGGER)
     read_ids: list[int] = []
-    original = JsonlIndex.read
+    original = JsonlIndex.read_bytes
 
-    def spy(self: JsonlIndex, i: int) -> tuple[str, int, str]:
+    def spy(self: JsonlIndex, i: int) -> tuple[str, int, bytes]:
         read_ids.append(i)
         return original(self, i)
 
-    monkeypatch.setattr(JsonlIndex, "read", spy)
+    monkeypatch.setattr(JsonlIndex, "read_bytes", spy)
     reader.read(7)
     assert read_ids == records_of_micro_batch(7, 20, 4, 1)[1]
 

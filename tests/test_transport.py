@@ -37,7 +37,7 @@ def _worker(rank: int, init_file: str, results, backend: str) -> None:
         for m, (batch, seq) in enumerate(SHAPES):
             ids, mask, lengths, sample_ids, hidden = _micro_batch(m, batch, seq)
             sender.send_header(
-                1, m, epoch=3, batch=batch, seq=seq, feat=FEATURES, dtype=hidden.dtype, bad=m % 2
+                1, m, epoch=3, batch=batch, seq=seq, feat=FEATURES, dtype=hidden.dtype, bad=m % 2, too_long=m
             )
             sender.send_tensors(1, pack_tokens(ids, mask, lengths, sample_ids), hidden.to(device))
         sender.send_end_of_data(1, len(SHAPES))
@@ -53,6 +53,7 @@ def _worker(rank: int, init_file: str, results, backend: str) -> None:
             )
             ids, mask, lengths, sample_ids, hidden = _micro_batch(m, batch, seq)
             assert got.index == m and got.epoch == 3 and not got.end_of_data and got.bad_records == m % 2
+            assert got.too_long_records == m
             assert torch.equal(got.input_ids, ids) and torch.equal(got.loss_mask, mask)
             assert torch.equal(got.lengths, lengths) and torch.equal(got.sample_ids, sample_ids)
             assert got.hidden_states.dtype == torch.bfloat16 and torch.equal(got.hidden_states, hidden)

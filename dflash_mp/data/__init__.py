@@ -1,0 +1,59 @@
+"""Training data: record formats, chat rendering with loss masks, order, micro-batches, preflight.
+
+records   one JSONL line -> a conversation or a pre-rendered text (the accepted formats)
+chat      the chat template's rendering and the assistant loss mask
+order     the byte-offset index and the topology-free record order
+reader    records -> samples -> micro-batches, with bad/truncated counts
+preflight a sample of the data read the way training reads it, before any worker starts
+"""
+
+from dflash_mp.data.chat import (
+    ChatRenderer,
+    load_tokenizer,
+    read_chat_template,
+    tokenize_chat,
+    tokenize_spans,
+)
+from dflash_mp.data.errors import BadRecord, DataError
+from dflash_mp.data.order import (
+    DataOrder,
+    JsonlIndex,
+    epoch_permutation,
+    micro_batches_per_epoch,
+    records_of_micro_batch,
+)
+from dflash_mp.data.reader import (
+    MIN_RECORDS_TO_JUDGE,
+    MicroBatch,
+    MicroBatchReader,
+    Sample,
+    TooLong,
+    collate,
+    parse_record,
+)
+from dflash_mp.data.records import ACCEPTED_FORMATS, Conversation, TextRecord
+
+__all__ = [
+    "ACCEPTED_FORMATS",
+    "MIN_RECORDS_TO_JUDGE",
+    "BadRecord",
+    "ChatRenderer",
+    "Conversation",
+    "DataError",
+    "DataOrder",
+    "JsonlIndex",
+    "MicroBatch",
+    "MicroBatchReader",
+    "Sample",
+    "TextRecord",
+    "TooLong",
+    "collate",
+    "epoch_permutation",
+    "load_tokenizer",
+    "micro_batches_per_epoch",
+    "parse_record",
+    "read_chat_template",
+    "records_of_micro_batch",
+    "tokenize_chat",
+    "tokenize_spans",
+]

@@ -1,0 +1,108 @@
+"""Which records, in which order: a byte-offset index of the JSONL files and a topology-free order.
+
+Data order is a pure function of (seed, epoch): micro-batch m holds the same records whatever
+the number of ranks, and a rank reads only the records of the micro-batches it produces.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from dflash_mp.data.errors import DataError
+
+
+class JsonlIndex:
+    """Byte offsets of every non-blank line of some JSONL files, so a rank reads only its records."""
+
+    def __init__(self, paths: Sequence[str | Path]) -> None:
+        self.paths = [str(path) for path in paths]
+        # Flat arrays instead of a list of tuples: ~28 bytes per record for large data sets.
+        self._file = array("I")
+        self._offset = array("q")
+        self._length = array("q")
+        self._line = array("q")
+        for file_index, path in enumerate(self.paths):
+            try:
+                with open(path, "rb") as f:
+                    offset = 0
+                    for line_number, line in enumerate(f, start=1):
+                        # A byte-order mark alone on a line is blank too.
+                        if line.removeprefix(b"\xef\xbb\xbf").strip():
+                            self._file.append(file_index)
+                            self._offset.append(offset)
+                            self._length.append(len(line))
+                            self._line.append(line_number)
+                        offset += len(line)
+            except OSError as e:
+                raise DataError(f"{path}: cannot read data file ({e.strerror})") from e
+        if not self._offset:
+            raise DataError(
+                f"no records in {', '.join(self.paths) or '(no files given)'}: every file is empty or blank. "
+                'Point data.train_files at JSONL files with one {"messages": [...]} record per line.'
+            )
+
+    def __len__(self) -> int:
+        return len(self._offset)
+
+    def read_bytes(self, i: int) -> tuple[str, int, bytes]:
+        """(path, 1-based line number, raw bytes) of record i."""
+        path = self.paths[self._file[i]]
+        with open(path, "rb") as f:
+            f.seek(self._offset[i])
+            raw = f.read(self._length[i])
+        return path, self._line[i], raw
+
+    def read(self, i: int) -> tuple[str, int, str]:
+        """(path, line, text) of record i; a byte-order mark dropped, undecodable bytes become U+FFFD.
+
+        The trainer reads with read_bytes instead, where undecodable bytes make a bad record.
+        """
+        path, line, raw = self.read_bytes(i)
+        return path, line, raw.decode("utf-8", errors="replace").removeprefix("\ufeff")
+
+
+def epoch_permutation(num_records: int, seed: int, epoch: int) -> list[int]:
+    """Record order of one epoch: depends on (seed, epoch) only, never on the topology."""
+    # Hashing keeps (seed, epoch) pairs apart; seed*K+epoch would collide across seeds.
+    digest = hashlib.sha256(f"dflash_mp:{seed}:{epoch}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.randperm(num_records, generator=generator).tolist()
+
+
+def micro_batches_per_epoch(num_records: int, micro_batch_size: int) -> int:
+    """Full micro-batches per epoch (the tail that does not fill one is dropped)."""
+    per_epoch = num_records // micro_batch_size
+    if per_epoch == 0:
+        raise DataError(
+            f"{num_records} record(s) cannot fill one micro-batch of {micro_batch_size}: "
+            "add data or lower train.micro_batch_size"
+        )
+    return per_epoch
+
+
+def records_of_micro_batch(
+    m: int, num_records: int, micro_batch_size: int, seed: int
+) -> tuple[int, list[int]]:
+    """(epoch, record indices) of global micro-batch m."""
+    return DataOrder(num_records, micro_batch_size, seed).records(m)
+
+
+class DataOrder:
+    """records_of_micro_batch with the current epoch's permutation cached (m only increases)."""
+
+    def __init__(self, num_records: int, micro_batch_size: int, seed: int) -> None:
+        self.num_records, self.micro_batch_size, self.seed = num_records, micro_batch_size, seed
+        self.per_epoch = micro_batches_per_epoch(num_records, micro_batch_size)
+        self._epoch, self._permutation = -1, []
+
+    def records(self, m: int) -> tuple[int, list[int]]:
+        epoch, j = divmod(m, self.per_epoch)
+        if epoch != self._epoch:
+            self._epoch, self._permutation = epoch, epoch_permutation(self.num_records, self.seed, epoch)
+        size = self.micro_batch_size
+        return epoch, self._permutation[j * size : (j + 1) * size]

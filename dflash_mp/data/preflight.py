@@ -1,0 +1,162 @@
+"""The data check of the preflight: a sample read through the real tokenizer and template.
+
+Evenly spaced records (SAMPLE_SIZE, or all when fewer) are parsed exactly as the target ranks
+will parse them; the report says what they hold and the check fails, before any worker starts,
+when training would stop on them or learn from nothing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_mp.data.chat import ChatRenderer, load_renderer
+from dflash_mp.data.errors import BadRecord, DataError
+from dflash_mp.data.order import JsonlIndex
+from dflash_mp.data.reader import TooLong, parse_record
+
+SAMPLE_SIZE = 1000
+EXAMPLES_PER_REASON = 3
+# Upper edges of the length histogram, as fractions of data.max_length.
+HISTOGRAM_EDGES = (0.25, 0.5, 0.75, 1.0)
+# Continuation lines of the report line up under the message column of `doctor`'s output.
+INDENT = " " * 16
+
+
+@dataclass
+class SampleReport:
+    """What a sample of the data holds, read the way training reads it."""
+
+    total_records: int
+    max_length: int
+    parsed: int = 0
+    truncated: int = 0
+    too_long_skipped: int = 0
+    loss_tokens: list[int] = field(default_factory=list)
+    # Full token lengths, before truncation (so the histogram shows how much is cut).
+    lengths: list[int] = field(default_factory=list)
+    bad: Counter = field(default_factory=Counter)  # kind -> count
+    # kind -> the first bad record in full ("file:line: reason"), then only where others are.
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def add_bad(self, bad: BadRecord) -> None:
+        self.bad[bad.kind] += 1
+        examples = self.examples.setdefault(bad.kind, [])
+        if len(examples) < EXAMPLES_PER_REASON:
+            examples.append(str(bad) if not examples else f"{bad.path}:{bad.line}")
+
+    @property
+    def sampled(self) -> int:
+        return self.parsed + self.too_long_skipped + sum(self.bad.values())
+
+    @property
+    def bad_fraction(self) -> float:
+        return sum(self.bad.values()) / max(self.sampled, 1)
+
+    def histogram(self) -> str:
+        edges = [round(f * self.max_length) for f in HISTOGRAM_EDGES]
+        counts = [0] * (len(edges) + 1)
+        for length in self.lengths:
+            counts[next((k for k, edge in enumerate(edges) if length <= edge), len(edges))] += 1
+        labels = [f"<={edge}" for edge in edges] + [f">{self.max_length}"]
+        return ", ".join(f"{label}: {count}" for label, count in zip(labels, counts, strict=True))
+
+    def summary(self) -> str:
+        n = self.sampled
+        lines = [f"{self.parsed} of {n} sampled records usable (of {self.total_records} in the data)"]
+        if self.loss_tokens:
+            tokens = sorted(self.loss_tokens)
+            lines.append(
+                f"loss tokens per record: mean {sum(tokens) / len(tokens):.0f}, min {tokens[0]}, "
+                f"median {tokens[len(tokens) // 2]}, max {tokens[-1]}"
+            )
+        if self.lengths:
+            lines.append(f"tokens per record vs data.max_length={self.max_length}: {self.histogram()}")
+        if self.truncated or self.too_long_skipped:
+            lines.append(f"too long: {self.truncated} truncated, {self.too_long_skipped} skipped")
+        for kind, count in self.bad.most_common():
+            first, *others = self.examples[kind]
+            also = f" (also {', '.join(others)})" if others else ""
+            lines.append(f"skipped {count} ({kind}), e.g. {first}{also}")
+        return "\n".join(lines)
+
+
+def sample_ids(num_records: int, size: int = SAMPLE_SIZE) -> list[int]:
+    """Evenly spaced record indices (every file of a multi-file data set gets its share)."""
+    count = min(size, num_records)
+    return [k * num_records // count for k in range(count)]
+
+
+def sample_report(
+    index: JsonlIndex, renderer: ChatRenderer, max_length: int, on_too_long: str, size: int = SAMPLE_SIZE
+) -> SampleReport:
+    report = SampleReport(total_records=len(index), max_length=max_length)
+    tokenizer = renderer.tokenizer
+    for record_id in sample_ids(len(index), size):
+        path, line, raw = index.read_bytes(record_id)
+        try:
+            # Parsed whole (no limit) for the length histogram, then cut the way training cuts.
+            sample = parse_record(raw, path, line, tokenizer, 1 << 62, record_id, renderer=renderer)
+        except BadRecord as bad:
+            report.add_bad(bad)
+            continue
+        length = len(sample.input_ids)
+        report.lengths.append(length)
+        if length > max_length:
+            try:
+                sample = parse_record(
+                    raw,
+                    path,
+                    line,
+                    tokenizer,
+                    max_length,
+                    record_id,
+                    renderer=renderer,
+                    on_too_long=on_too_long,
+                )
+            except TooLong:
+                report.too_long_skipped += 1
+                continue
+            except BadRecord as bad:  # nothing to learn in what truncation keeps
+                report.add_bad(bad)
+                continue
+            report.truncated += 1
+        report.parsed += 1
+        report.loss_tokens.append(sum(sample.loss_mask))
+    return report
+
+
+def judge(report: SampleReport, max_bad_fraction: float, on_bad_record: str) -> str | None:
+    """Why training on this data must not start (None: it may)."""
+    bad = sum(report.bad.values())
+    if "unknown format" in report.bad and report.bad["unknown format"] == report.sampled:
+        return "no record of the sample is in an accepted format"
+    if bad and on_bad_record == "fail":
+        return f"{bad} bad record(s) in the sample and data.on_bad_record=fail: fix them or set data.on_bad_record=skip"
+    if report.bad_fraction > max_bad_fraction:
+        return (
+            f"{bad} of {report.sampled} sampled records ({report.bad_fraction:.1%}) are unusable, above "
+            f"data.max_bad_fraction={max_bad_fraction}: fix the data or raise data.max_bad_fraction"
+        )
+    if not sum(report.loss_tokens):
+        return "no loss tokens remain in the sample: training would learn nothing (see the reasons above)"
+    return None
+
+
+def check_data_sample(cfg: Any) -> tuple[bool, str]:
+    """The preflight's data check for a RootConfig: (ok, report and verdict)."""
+    d = cfg.data
+    try:
+        index = JsonlIndex(list(d.train_files))
+        renderer = load_renderer(
+            cfg.model.target_path, cfg.model.trust_remote_code, d.chat_template, d.chat_template_kwargs
+        )
+        report = sample_report(index, renderer, d.max_length, d.on_too_long)
+    except DataError as e:
+        return False, str(e)
+    except Exception as e:  # e.g. a tokenizer that does not load: the target check names the cause
+        return False, f"cannot read the data through the target's tokenizer: {type(e).__name__}: {e}"
+    problem = judge(report, d.max_bad_fraction, d.on_bad_record)
+    lines = ([] if problem is None else [problem]) + report.summary().splitlines()
+    return problem is None, f"\n{INDENT}".join(lines)

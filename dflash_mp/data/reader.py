@@ -1,0 +1,220 @@
+"""Records -> samples -> micro-batches: a rank reads and tokenizes only the records it produces."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash_mp.data.chat import ChatRenderer, tokenize_spans
+from dflash_mp.data.errors import BadRecord, DataError
+from dflash_mp.data.order import DataOrder, JsonlIndex
+from dflash_mp.data.records import Conversation, RecordError, decode_line, parse_json, to_record
+
+ON_TOO_LONG = ("truncate", "skip")
+# A reader judges its running bad fraction only after this many records: a few bad records early
+# in a large data set must not stop the job before the fraction means anything.
+MIN_RECORDS_TO_JUDGE = 200
+
+
+class TooLong(BadRecord):
+    """A record longer than data.max_length under data.on_too_long=skip (not a bad record)."""
+
+
+@dataclass
+class Sample:
+    """One tokenized record."""
+
+    sample_id: int  # global record index in the JsonlIndex (-1 when it has none)
+    input_ids: list[int]
+    loss_mask: list[int]
+    truncated: bool = False  # cut to data.max_length
+
+
+def tokenize_record(
+    record: Any, tokenizer: Any, renderer: ChatRenderer | None
+) -> tuple[list[int], list[int]]:
+    """input_ids and loss_mask of a parsed record in any accepted format (no length limit)."""
+    if isinstance(record, Conversation):
+        text, spans = (renderer or ChatRenderer(tokenizer)).render(record.messages)
+        return tokenize_spans(tokenizer, text, spans, end_of_turn=True)
+    return tokenize_spans(tokenizer, record.text, record.loss_spans, end_of_turn=False)
+
+
+def parse_record(
+    text: str | bytes,
+    path: str,
+    line: int,
+    tokenizer: Any,
+    max_length: int,
+    sample_id: int = -1,
+    *,
+    renderer: ChatRenderer | None = None,
+    on_too_long: str = "truncate",
+) -> Sample:
+    """Parse and tokenize one JSONL line; raises BadRecord saying why it cannot be used.
+
+    Any error of one record makes that record bad; DataError (a problem of the job) passes.
+    """
+    try:
+        input_ids, loss_mask = tokenize_record(to_record(parse_json(decode_line(text))), tokenizer, renderer)
+    except DataError:
+        raise
+    except RecordError as e:
+        raise BadRecord(path, line, str(e), e.kind) from None
+    except Exception as e:  # a template's raise_exception(), a RecursionError, anything of this record
+        raise BadRecord(path, line, f"{type(e).__name__}: {e}", "cannot render") from None
+    truncated = len(input_ids) > max_length
+    if truncated:
+        if on_too_long == "skip":
+            raise TooLong(
+                path, line, f"{len(input_ids)} tokens, longer than data.max_length={max_length}", "too long"
+            )
+        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
+    if not any(loss_mask):
+        where = f" in its first data.max_length={max_length} tokens" if truncated else ""
+        raise BadRecord(
+            path, line, f"no loss tokens{where} (no assistant content rendered)", "no loss tokens"
+        )
+    return Sample(sample_id=sample_id, input_ids=input_ids, loss_mask=loss_mask, truncated=truncated)
+
+
+@dataclass
+class MicroBatch:
+    """The tokenized records of global micro-batch `index`, right-padded to the longest one."""
+
+    index: int  # global micro-batch index m
+    epoch: int
+    input_ids: torch.Tensor  # int64 [B, S], padded with the tokenizer's pad id
+    loss_mask: torch.Tensor  # uint8 [B, S]: 1 on assistant tokens (uint8 travels over gloo and NCCL alike)
+    lengths: torch.Tensor  # int64 [B], real tokens per row
+    sample_ids: torch.Tensor  # int64 [B], global record indices
+
+    @property
+    def num_sequences(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def collate(
+    index: int, epoch: int, samples: list[Sample], pad_id: int, pad_to_multiple: int = 1
+) -> MicroBatch:
+    """Right-pad samples into a MicroBatch; no samples gives B = S = 0.
+
+    The width is rounded up to a multiple of `pad_to_multiple`: few distinct shapes mean few
+    recompilations of the compiled drafter and flex_attention masks on GPU.
+    """
+    lengths = [len(sample.input_ids) for sample in samples]
+    width = -(-max(lengths, default=0) // pad_to_multiple) * pad_to_multiple
+    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((len(samples), width), dtype=torch.uint8)
+    for row, sample in enumerate(samples):
+        input_ids[row, : lengths[row]] = torch.tensor(sample.input_ids, dtype=torch.long)
+        loss_mask[row, : lengths[row]] = torch.tensor(sample.loss_mask, dtype=torch.uint8)
+    return MicroBatch(
+        index=index,
+        epoch=epoch,
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        lengths=torch.tensor(lengths, dtype=torch.long),
+        sample_ids=torch.tensor([sample.sample_id for sample in samples], dtype=torch.long),
+    )
+
+
+class MicroBatchReader:
+    """Reads and tokenizes only the records of the micro-batches asked for.
+
+    Counters (records_read, bad_records, too_long_records) count every read:
+    each record is read once per epoch by exactly one target rank, so their sum over the target
+    ranks is the same for any number of them.
+    """
+
+    def __init__(
+        self,
+        index: JsonlIndex,
+        tokenizer: Any,
+        max_length: int,
+        on_bad_record: str,
+        micro_batch_size: int,
+        seed: int,
+        logger: logging.Logger,
+        pad_to_multiple: int = 1,
+        *,
+        renderer: ChatRenderer | None = None,
+        on_too_long: str = "truncate",
+        max_bad_fraction: float = 0.05,
+    ) -> None:
+        if on_bad_record not in ("skip", "fail"):
+            raise ValueError(f"on_bad_record={on_bad_record!r}: must be 'skip' or 'fail'")
+        if on_too_long not in ON_TOO_LONG:
+            raise ValueError(f"on_too_long={on_too_long!r}: must be 'truncate' or 'skip'")
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad_id is None:
+            raise DataError(
+                "the tokenizer has neither a pad token nor an eos token to pad micro-batches with"
+            )
+        self.index, self.tokenizer, self.max_length = index, tokenizer, max_length
+        self.renderer = renderer or ChatRenderer(tokenizer)
+        self.on_bad_record, self.on_too_long, self.max_bad_fraction = (
+            on_bad_record,
+            on_too_long,
+            max_bad_fraction,
+        )
+        self.logger, self.pad_id, self.pad_to_multiple = logger, pad_id, pad_to_multiple
+        self.order = DataOrder(len(index), micro_batch_size, seed)
+        self.records_read = 0
+        self.bad_records = 0
+        self.too_long_records = 0  # longer than max_length: truncated or skipped, per on_too_long
+        self._logged: set[int] = set()  # each skipped record is logged once per reader
+
+    def read(self, m: int) -> MicroBatch:
+        epoch, record_ids = self.order.records(m)
+        samples = []
+        for record_id in record_ids:
+            path, line, raw = self.index.read_bytes(record_id)
+            self.records_read += 1
+            try:
+                sample = parse_record(
+                    raw,
+                    path,
+                    line,
+                    self.tokenizer,
+                    self.max_length,
+                    record_id,
+                    renderer=self.renderer,
+                    on_too_long=self.on_too_long,
+                )
+            except TooLong as long:
+                self.too_long_records += 1
+                self._log_once(record_id, "skipping too long record %s (data.on_too_long=skip)", long)
+                continue
+            except BadRecord as bad:
+                if self.on_bad_record == "fail":
+                    raise DataError(f"{bad} (set data.on_bad_record=skip to skip such records)") from None
+                # Dropped, not replaced: a substitute would make the data depend on the topology.
+                self.bad_records += 1
+                self._log_once(record_id, "skipping bad record %s", bad)
+                continue
+            self.too_long_records += sample.truncated
+            samples.append(sample)
+        self._check_bad_fraction()
+        return collate(m, epoch, samples, self.pad_id, self.pad_to_multiple)
+
+    def _log_once(self, record_id: int, message: str, problem: BadRecord) -> None:
+        if record_id not in self._logged:
+            self._logged.add(record_id)
+            self.logger.warning(message, problem)
+
+    def _check_bad_fraction(self) -> None:
+        if (
+            self.records_read < MIN_RECORDS_TO_JUDGE
+            or self.bad_records <= self.max_bad_fraction * self.records_read
+        ):
+            return
+        raise DataError(
+            f"{self.bad_records} of the {self.records_read} records this target rank read are bad "
+            f"({self.bad_records / self.records_read:.1%}), above data.max_bad_fraction={self.max_bad_fraction}: "
+            "fix the data (`python -m dflash_mp.launch doctor` lists examples with file:line) "
+            "or raise data.max_bad_fraction"
+        )

@@ -1,0 +1,115 @@
+"""The preflight's data check: a sample read through the real tokenizer, failing before any worker."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_mp import doctor, embedded
+from dflash_mp.config import compose_config
+from dflash_mp.data import ChatRenderer, JsonlIndex, load_tokenizer
+from dflash_mp.data.preflight import judge, sample_ids, sample_report
+
+TARGET = embedded.embedded_path("target")
+
+
+def record(user: str, assistant: str) -> str:
+    return json.dumps(
+        {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
+    )
+
+
+GOOD = record("Count from 3 to 5.", "3 4 5.")
+LONG = record("Count from 1 to 30.", " ".join(str(i) for i in range(1, 31)))
+
+
+@pytest.fixture(scope="module")
+def renderer() -> ChatRenderer:
+    return ChatRenderer(load_tokenizer(TARGET))
+
+
+def write(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_report_counts_reasons_lengths_and_truncations(renderer: ChatRenderer, tmp_path: Path) -> None:
+    path = write(tmp_path / "d.jsonl", [GOOD, "{", GOOD, LONG, '{"prompt": "x"}', GOOD, "{"])
+    report = sample_report(JsonlIndex([path]), renderer, max_length=32, on_too_long="truncate")
+    assert (report.sampled, report.parsed, report.truncated) == (7, 4, 1)
+    assert dict(report.bad) == {"malformed JSON": 2, "unknown format": 1}
+    assert report.examples["malformed JSON"][0].startswith(f"{path}:2: ")
+    (unknown,) = report.examples["unknown format"]
+    assert unknown.startswith(f"{path}:5: unknown record format (keys: prompt); accepted: ")
+    assert report.histogram().endswith(">32: 1") and len(report.loss_tokens) == 4
+    text = report.summary()
+    assert "4 of 7 sampled records usable" in text and "1 truncated" in text and f"{path}:5" in text
+    assert judge(report, max_bad_fraction=0.5, on_bad_record="skip") is None
+    assert "above data.max_bad_fraction=0.05" in judge(report, max_bad_fraction=0.05, on_bad_record="skip")
+    assert "data.on_bad_record=fail" in judge(report, max_bad_fraction=0.5, on_bad_record="fail")
+
+    skipped = sample_report(JsonlIndex([path]), renderer, max_length=32, on_too_long="skip")
+    assert (skipped.parsed, skipped.too_long_skipped, skipped.truncated) == (3, 1, 0)
+
+
+def test_no_loss_tokens_fails_even_when_bad_records_are_tolerated(
+    renderer: ChatRenderer, tmp_path: Path
+) -> None:
+    no_answer = json.dumps(
+        {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": ""}]}
+    )
+    long_prompt = record(" ".join(str(i) for i in range(1, 31)), "3.")
+    path = write(tmp_path / "d.jsonl", [long_prompt, json.dumps({"text": "a b", "loss_spans": []})])
+    report = sample_report(JsonlIndex([path]), renderer, max_length=16, on_too_long="truncate")
+    assert report.parsed == 0 and "no loss tokens" in report.bad
+    assert "no loss tokens remain" in judge(report, max_bad_fraction=1.0, on_bad_record="skip")
+    # An empty answer still trains the end-of-turn token: usable.
+    assert (
+        sample_report(JsonlIndex([write(tmp_path / "e.jsonl", [no_answer])]), renderer, 32, "truncate").parsed
+        == 1
+    )
+
+
+def test_sample_is_evenly_spread_and_bounded() -> None:
+    assert sample_ids(5) == [0, 1, 2, 3, 4]
+    ids = sample_ids(10_000)
+    assert len(ids) == 1000 and ids[0] == 0 and ids[-1] == 9990
+
+
+def test_doctor_fails_fast_on_an_unknown_format_naming_file_line_and_formats(tmp_path: Path) -> None:
+    path = write(tmp_path / "alpaca.jsonl", [json.dumps({"instruction": "a", "output": "b"})] * 3000)
+    started = time.monotonic()
+    checks = doctor.preflight(
+        compose_config([f"data.train_files=[{path}]", "train.device=cpu"]), tmp_path / "run"
+    )
+    assert time.monotonic() - started < 20
+    failed = {c.name: c.message for c in doctor.failed(checks)}
+    assert set(failed) == {"data"}, failed
+    assert "no record of the sample is in an accepted format" in failed["data"]
+    assert f"{path}:1: unknown record format (keys: instruction, output)" in failed["data"]
+    assert '"conversations"' in failed["data"] and "ShareGPT" in failed["data"]
+
+
+def test_doctor_reports_the_bundled_data_as_usable(tmp_path: Path) -> None:
+    checks = doctor.preflight(compose_config(["train.device=cpu"]), tmp_path / "run")
+    data = next(c for c in checks if c.name == "data")
+    assert data.ok and "sampled records usable" in data.message and "loss tokens per record" in data.message
+
+
+def test_config_names_bad_data_fields(tmp_path: Path) -> None:
+    from dflash_mp.config import ConfigError, validate
+
+    overrides = [
+        "data.on_too_long=cut",
+        "data.max_bad_fraction=1.5",
+        f"data.chat_template={tmp_path / 'missing.jinja'}",
+        "+data.chat_template_kwargs.enable_thinking=false",
+    ]
+    with pytest.raises(ConfigError) as caught:
+        validate(compose_config(overrides))
+    message = str(caught.value)
+    assert "data.on_too_long='cut'" in message and "data.max_bad_fraction=1.5" in message
+    assert "missing.jinja" in message and "chat_template_kwargs" not in message
