@@ -100,7 +100,10 @@ def save(
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     for old in complete_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        # Renamed first: a deletion cut short leaves a directory that the next sweep removes.
+        doomed = root / f".tmp-{old.name}-deleted-{os.getpid()}"
+        os.rename(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     return final
 
 

@@ -1,6 +1,7 @@
 """Checkpoints are atomic: a crash mid-save leaves the previous one as the newest complete."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,3 +109,23 @@ def test_meta_records_the_data_layout_as_json(tmp_path):
     path = checkpoint.save(tmp_path, _state(10), keep=1, data_layout=layout)
     assert json.loads((path / "meta.json").read_text())["data_layout"] == layout
     assert checkpoint.read_meta(path)["step"] == 10
+
+
+def test_a_deletion_of_an_old_checkpoint_cut_short_is_finished_by_the_next_save(tmp_path, monkeypatch):
+    checkpoint.save(tmp_path, _state(10), keep=1)
+
+    rmtree = checkpoint.shutil.rmtree
+
+    def killed_mid_deletion(path, *args, **kwargs):
+        if "step_00000010" not in Path(path).name:
+            return rmtree(path, *args, **kwargs)
+        (Path(path) / "drafter.safetensors").unlink()
+        raise _Killed
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_mid_deletion)
+    with pytest.raises(_Killed):
+        checkpoint.save(tmp_path, _state(20), keep=1)
+    monkeypatch.undo()
+    assert checkpoint.latest(tmp_path).name == "step_00000020"
+    checkpoint.save(tmp_path, _state(30), keep=1)
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000030"]
