@@ -4,7 +4,13 @@ Layout: run_dir/checkpoints/step_00000120/{drafter.safetensors, optimizer.pt, me
 A checkpoint is written into a hidden temporary directory, every file fsynced, and only
 then renamed to its final name (rename is atomic on POSIX), so a crash mid-save never
 leaves a directory that looks whole but is not. meta.json is written last and names the
-step; a directory without a readable meta.json is not a checkpoint.
+step and the data layout (dflash_mp.resume); a directory without a readable meta.json is not a
+checkpoint.
+
+Re-saving a step moves the old directory aside before the rename and deletes it after, so a kill
+in between loses nothing: `sweep_stale` (at every save and at resume) puts such a directory back
+and deletes temporary directories of saves that were killed. One job writes a run's checkpoints
+(its first drafter), so every temporary directory but the one being written is stale.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 _NAME = re.compile(r"^step_(\d{8})$")
+_TMP_PREFIX = ".tmp-step_"
+_ASIDE = re.compile(r"^\.replaced-(step_\d{8})-\d+$")
+FORMAT = 2  # 2: meta.json holds the data layout
 
 
 @dataclass
@@ -55,28 +64,82 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(checkpoint_dir: str | Path, state: TrainingState, keep: int) -> Path:
-    """Write `state` atomically as step_<step>; keep the newest `keep` checkpoints."""
+def step_dir(checkpoint_dir: str | Path, step: int) -> Path:
+    return Path(checkpoint_dir) / f"step_{step:08d}"
+
+
+def save(
+    checkpoint_dir: str | Path, state: TrainingState, keep: int, data_layout: dict | None = None
+) -> Path:
+    """Write `state` atomically as step_<step>; keep the newest `keep` checkpoints.
+
+    `data_layout` (dflash_mp.resume.data_layout) goes into meta.json for the resume check.
+    """
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{state.step:08d}"
-    tmp = root / f".tmp-step_{state.step:08d}-{os.getpid()}"
+    final = step_dir(root, state.step)
+    tmp = root / f"{_TMP_PREFIX}{state.step:08d}-{os.getpid()}"
+    sweep_stale(root)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     model = {k: v.detach().to("cpu").contiguous() for k, v in state.model.items()}
     save_file(model, str(tmp / "drafter.safetensors"))
     torch.save({"optimizer": state.optimizer, "rng": state.rng}, tmp / "optimizer.pt")
-    (tmp / "meta.json").write_text(json.dumps({"step": state.step, "format": 1}))
+    meta = {"step": state.step, "format": FORMAT, "data_layout": data_layout}
+    (tmp / "meta.json").write_text(json.dumps(meta))
     for name in ("drafter.safetensors", "optimizer.pt", "meta.json"):
         fsync_path(tmp / name)
     fsync_path(tmp)
+    aside = None
     if final.exists():  # a re-save of the same step (e.g. after a resume) replaces the old one
-        shutil.rmtree(final)
+        aside = root / f".replaced-{final.name}-{os.getpid()}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
     os.rename(tmp, final)
     fsync_path(root)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     for old in complete_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        # Renamed first: a deletion cut short leaves a directory that the next sweep removes.
+        doomed = root / f".tmp-{old.name}-deleted-{os.getpid()}"
+        os.rename(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     return final
+
+
+def sweep_stale(checkpoint_dir: str | Path) -> list[str]:
+    """Finish what killed saves left: put a moved-aside checkpoint back where its step is
+    missing, delete the rest (temporary directories, superseded copies). Returns what it did."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    done = []
+    for path in sorted(root.iterdir()):
+        aside = _ASIDE.match(path.name)
+        if aside is not None:
+            final = root / aside.group(1)
+            if not final.exists() and _is_complete(path, final.name):
+                os.rename(path, final)
+                fsync_path(root)
+                done.append(f"restored {final.name} from {path.name}")
+                continue
+        elif not path.name.startswith(_TMP_PREFIX):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        done.append(f"deleted {path.name}")
+    return done
+
+
+def _is_complete(path: Path, name: str) -> bool:
+    """Whether `path` holds a whole checkpoint of the step that `name` (step_XXXXXXXX) names."""
+    match = _NAME.match(name)
+    if not match or not (path / "drafter.safetensors").is_file() or not (path / "optimizer.pt").is_file():
+        return False
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("step") == int(match.group(1))
 
 
 def complete_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
@@ -84,23 +147,18 @@ def complete_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
     root = Path(checkpoint_dir)
     if not root.is_dir():
         return []
-    found = []
-    for path in root.iterdir():
-        match = _NAME.match(path.name)
-        if not match or not (path / "drafter.safetensors").is_file() or not (path / "optimizer.pt").is_file():
-            continue
-        try:
-            meta = json.loads((path / "meta.json").read_text())
-        except (OSError, ValueError):
-            continue
-        if meta.get("step") == int(match.group(1)):
-            found.append((meta["step"], path))
-    return [path for _, path in sorted(found)]
+    found = [path for path in root.iterdir() if _is_complete(path, path.name)]
+    return sorted(found, key=lambda path: path.name)
 
 
 def latest(checkpoint_dir: str | Path) -> Path | None:
     found = complete_checkpoints(checkpoint_dir)
     return found[-1] if found else None
+
+
+def read_meta(path: str | Path) -> dict:
+    """meta.json of a checkpoint: step, format and (format 2) the data layout."""
+    return json.loads((Path(path) / "meta.json").read_text())
 
 
 def load(path: str | Path) -> TrainingState:

@@ -615,7 +615,8 @@ def status(run_dir: Path) -> int:
         print(f"supervisor: pid {state['pid']}, process group {state.get('pgid')} on {state.get('host')}")
     last = _last_metrics(run_dir)
     if last is not None:
-        print(f"last step:  {last['step']} (loss {last['loss']:.4f}, lr {last['lr']:.3g})")
+        loss = "-" if last["loss"] is None else f"{last['loss']:.4f}"  # None: a step without loss tokens
+        print(f"last step:  {last['step']} (loss {loss}, lr {last['lr']:.3g})")
     if beats:
         newest = max(b["written_at"] for b in beats.values())
         print(f"heartbeat:  last {now - newest:.1f}s ago")

@@ -65,8 +65,9 @@ class MetricsLogger:
         width = 24
         filled = int(width * record["step"] / max(self.total_steps, 1))
         bar = "#" * filled + "-" * (width - filled)
+        loss = "-" if record["loss"] is None else f"{record['loss']:.4f}"  # None: a skipped step
         line = (
-            f"[{bar}] step {record['step']}/{self.total_steps} loss {record['loss']:.4f} "
+            f"[{bar}] step {record['step']}/{self.total_steps} loss {loss} "
             f"lr {record['lr']:.2e} {record['samples_per_s']:.1f} samples/s "
             f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}"
         )

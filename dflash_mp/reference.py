@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     validate(cfg)
     records: list[dict] = []
     reference_train(cfg, device=pick_device(cfg.train.device, local_rank=0), on_step=records.append)
+    records = [r for r in records if r["loss"] is not None]  # steps skipped for want of loss tokens
     window = max(1, min(20, len(records) // 10))
     first = sum(r["loss"] for r in records[:window]) / window
     last = sum(r["loss"] for r in records[-window:]) / window

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from dflash_mp.data import JsonlIndex, MicroBatch, MicroBatchReader, micro_batch
 from dflash_mp.data.chat import load_renderer
 from dflash_mp.distributed import Job
 from dflash_mp.logs import get_logger
+from dflash_mp.resume import check_layout
 from dflash_mp.topology import Topology
 from dflash_mp.transport import Features, Receiver, Sender, pack_tokens
 from dflash_mp.watchdog import Preempted, beat, stop_requested
@@ -209,13 +211,38 @@ def _balance(receiver: Receiver, targets: dict[int, tuple[float, float]]) -> dic
     }
 
 
-def resume_step(cfg: RootConfig, run_dir: Path) -> tuple[int, checkpoint.TrainingState | None]:
+def resume_step(
+    cfg: RootConfig, run_dir: Path, layout_at: Callable[[int], dict]
+) -> tuple[int, checkpoint.TrainingState | None]:
+    """The first drafter's resume point: the newest complete checkpoint, after sweeping what
+    killed saves left. `layout_at(step)` is this job's data layout at that step; a checkpoint
+    whose recorded layout it contradicts is refused before any weights are read."""
     if not cfg.train.resume:
         return 0, None
-    path = checkpoint.latest(run_dir / "checkpoints")
+    log = get_logger()
+    root = run_dir / "checkpoints"
+    for note in checkpoint.sweep_stale(root):
+        log.info("checkpoints: %s", note)
+    path = checkpoint.latest(root)
     if path is None:
-        get_logger().info("train.resume=true but no complete checkpoint in %s: starting at step 0", run_dir)
+        log.info("train.resume=true but no complete checkpoint in %s: starting at step 0", run_dir)
         return 0, None
+    meta = checkpoint.read_meta(path)
+    for note in check_layout(meta.get("data_layout"), layout_at(int(meta["step"])), str(path)):
+        log.warning("resume: %s", note)
     state = checkpoint.load(path)
-    get_logger().info("resuming from %s (step %d)", path, state.step)
+    log.info("resuming from %s (step %d)", path, state.step)
     return state.step, state
+
+
+def load_resume_state(run_dir: Path, step: int) -> checkpoint.TrainingState:
+    """The checkpoint of `step`, the one the first drafter chose and broadcast: the other
+    drafters never look up the newest themselves, which could differ (a save or sweep in
+    between, a file system that shows them another listing)."""
+    path = checkpoint.step_dir(run_dir / "checkpoints", step)
+    if not (path / "meta.json").is_file():
+        raise FileNotFoundError(
+            f"this drafter cannot see {path}, the checkpoint the first drafter resumes from: "
+            "run_dir must be on a file system that every drafter rank shares"
+        )
+    return checkpoint.load(path)

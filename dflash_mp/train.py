@@ -7,6 +7,7 @@ it launches one local torchrun job per config through dflash_mp.launch and waits
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -70,7 +71,9 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
     from dflash_mp.distributed import broadcast_int
     from dflash_mp.logs import setup_rank_logging
     from dflash_mp.metrics import MetricsLogger
+    from dflash_mp.resume import data_files_fingerprint, data_layout
     from dflash_mp.roles import (
+        load_resume_state,
         make_feature_extractor,
         make_reader,
         resume_step,
@@ -95,10 +98,14 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
 
     index = JsonlIndex(list(cfg.data.train_files))
     steps = total_steps(cfg, len(index), job.topology)
+    # Taken once: checkpoints record the data as this job found it.
+    layout_at = functools.partial(
+        data_layout, cfg, job.topology, data_files_fingerprint(index.paths, len(index))
+    )
     first_drafter = job.topology.targets
     state = None
     if job.is_first_drafter:
-        start_step, state = resume_step(cfg, run_dir)
+        start_step, state = resume_step(cfg, run_dir, layout_at)
     start_step = broadcast_int(start_step if job.is_first_drafter else 0, first_drafter, job.meta_group)
     watchdog.beat("load", start_step)
     dtype, _, compile_layers = resolve_precision(cfg, job.device)
@@ -111,7 +118,7 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
 
     trainer = DrafterTrainer(cfg, job.device, steps, group=job.drafter_group)
     if start_step > 0:
-        trainer.load_training_state(state if state is not None else resume_step(cfg, run_dir)[1])
+        trainer.load_training_state(state if state is not None else load_resume_state(run_dir, start_step))
     metrics = evaluator = None
     if job.is_first_drafter and cfg.eval.every > 0:
         from dflash_mp.eval import AcceptanceEvaluator
@@ -130,7 +137,12 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
 
     def save_checkpoint() -> None:
         watchdog.beat("checkpoint", trainer.step)
-        checkpoint.save(run_dir / "checkpoints", trainer.training_state(), cfg.train.keep_checkpoints)
+        checkpoint.save(
+            run_dir / "checkpoints",
+            trainer.training_state(),
+            cfg.train.keep_checkpoints,
+            data_layout=layout_at(trainer.step),
+        )
 
     def on_step(record: dict) -> None:
         if metrics is None:

@@ -83,6 +83,7 @@ class StepTotals:
     correct: torch.Tensor | None = None
     count: torch.Tensor | None = None
     losses: list = field(default_factory=list)
+    scored: list = field(default_factory=list)  # per micro-batch: bool tensor, had loss tokens
     # Token counts stay tensors: reading them per micro-batch would synchronise the GPU.
     token_counts: list = field(default_factory=list)
 
@@ -140,42 +141,71 @@ class DrafterTrainer:
     # ------------------------------------------------------------------ training
 
     def micro_step(self, batch: Features, last_of_step: bool) -> None:
-        """Forward + backward of one micro-batch; gradients accumulate until the step."""
+        """Forward + backward of one micro-batch; gradients accumulate until the step.
+
+        A micro-batch whose records were all skipped as bad still runs a forward and backward,
+        on a placeholder through the same (DDP) model times zero: every drafter then joins the
+        same gradient all-reduces in the same order whatever its data, and the placeholder adds
+        exactly zero gradient.
+        """
         accumulation = self.cfg.train.grad_accum
         sync = last_of_step or not isinstance(self.model, nn.parallel.DistributedDataParallel)
+        empty = batch.num_sequences == 0
         with nullcontext() if sync else self.model.no_sync(), self.autocast:
-            if batch.num_sequences == 0:
-                # Every record of this micro-batch was skipped as bad: a zero loss that still
-                # touches every parameter, so DDP's all-reduce sees the same buckets on all ranks.
-                loss = sum(p.reshape(-1)[0] * 0.0 for p in self.drafter.parameters())
-                stats = None
-            else:
-                loss, stats = drafter_loss(
-                    self.model,
-                    self.embed_weight,
-                    self.head_weight,
-                    batch,
-                    seed=self.cfg.train.seed,
-                    num_anchors=self.cfg.data.num_anchors,
-                    gamma=self.cfg.train.gamma,
-                    attention=self.attention,
-                )
+            loss, stats = drafter_loss(
+                self.model,
+                self.embed_weight,
+                self.head_weight,
+                self._placeholder(batch) if empty else batch,
+                seed=self.cfg.train.seed,
+                num_anchors=self.cfg.data.num_anchors,
+                gamma=self.cfg.train.gamma,
+                attention=self.attention,
+            )
+            if empty:
+                loss = loss * 0.0
             (loss / accumulation).backward()
         t = self.totals
         t.losses.append(loss.detach().float())
+        # Stays a tensor (no host sync): whether this micro-batch had any loss token.
+        t.scored.append(stats["weight_sum"].detach() > 0)
         t.micro_batches += 1
         t.sequences += batch.num_sequences
-        if batch.num_sequences:
+        if not empty:
             t.token_counts.append(batch.lengths.sum())
         t.bytes_received += batch.nbytes
         t.bad_records += batch.bad_records
         t.too_long_records += batch.too_long_records
-        if stats is not None:
-            t.correct = stats["correct"] if t.correct is None else t.correct + stats["correct"]
-            t.count = stats["count"] if t.count is None else t.count + stats["count"]
+        t.correct = stats["correct"] if t.correct is None else t.correct + stats["correct"]
+        t.count = stats["count"] if t.count is None else t.count + stats["count"]
+
+    def _placeholder(self, empty: Features) -> Features:
+        """One all-padding sequence without loss tokens, shaped like the data (no new dtypes)."""
+        width = max(1, self.cfg.data.pad_to_multiple)
+        seq_len = width * -(-self.cfg.model.block_size // width)
+        zeros = torch.zeros(1, seq_len, dtype=torch.long, device=self.device)
+        feature_size = empty.hidden_states.shape[-1]
+        return Features(
+            index=empty.index,
+            epoch=empty.epoch,
+            input_ids=zeros,
+            loss_mask=zeros,
+            lengths=torch.full((1,), seq_len, dtype=torch.long, device=self.device),
+            sample_ids=torch.zeros(1, dtype=torch.long, device=self.device),
+            hidden_states=torch.zeros(
+                1, seq_len, feature_size, dtype=empty.hidden_states.dtype, device=self.device
+            ),
+        )
 
     def optimizer_step(self, extra: dict | None = None) -> dict:
-        """Clip, check finiteness, step AdamW at the scheduled lr; returns the metrics record."""
+        """Clip, check finiteness, step AdamW at the scheduled lr; returns the metrics record.
+
+        The step's loss is the mean over the micro-batches (of all drafters) that had loss
+        tokens, and the gradient is rescaled to match it. A step in which no drafter had a loss
+        token is skipped by every drafter alike (they all see the same all-reduced count): no
+        AdamW update, `skip_reason` "no_loss_tokens", loss null. The step counter, hence the data
+        position and the lr schedule, advances either way.
+        """
         cfg, t = self.cfg, self.totals
         block = cfg.model.block_size
         correct = t.correct if t.correct is not None else torch.zeros(block, device=self.device)
@@ -183,10 +213,12 @@ class DrafterTrainer:
         # One all-reduce for every per-step number, so the metrics cost one collective.
         local_loss = torch.stack(t.losses).sum()
         local_tokens = torch.stack(t.token_counts).sum() if t.token_counts else torch.zeros(())
+        local_scored = torch.stack(t.scored).sum() if t.scored else torch.zeros(())
         packed = torch.cat(
             [
                 local_loss.reshape(1).to(self.device, torch.float64),
                 local_tokens.reshape(1).to(self.device, torch.float64),
+                local_scored.reshape(1).to(self.device, torch.float64),
                 torch.tensor(
                     [t.micro_batches, t.sequences, t.bytes_received, t.bad_records, t.too_long_records],
                     dtype=torch.float64,
@@ -198,20 +230,28 @@ class DrafterTrainer:
         )
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(packed, group=self.group)
-        loss_sum, tokens, micro_batches, sequences, nbytes, bad, too_long = packed[:7].tolist()
-        correct, count = packed[7 : 7 + block], packed[7 + block :]
+        loss_sum, tokens, scored, micro_batches, sequences, nbytes, bad, too_long = packed[:8].tolist()
+        correct, count = packed[8 : 8 + block], packed[8 + block :]
 
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), max_norm))
-        loss = loss_sum / max(micro_batches, 1)
         lr = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio)
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if not finite and cfg.train.on_nonfinite == "stop":
-            raise FloatingPointError(
-                f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {self.step + 1}; "
-                "set train.on_nonfinite=skip to skip such steps, or lower optim.lr"
-            )
-        if finite:
+        loss, grad_norm, skip_reason = None, 0.0, None
+        if scored == 0:
+            skip_reason = "no_loss_tokens"
+        else:
+            if scored < micro_batches:  # micro-batches without loss tokens do not dilute the step
+                grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
+                torch._foreach_mul_(grads, micro_batches / scored)
+            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), max_norm))
+            loss = loss_sum / scored
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                if cfg.train.on_nonfinite == "stop":
+                    raise FloatingPointError(
+                        f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {self.step + 1}; "
+                        "set train.on_nonfinite=skip to skip such steps, or lower optim.lr"
+                    )
+                skip_reason = "nonfinite"
+        if skip_reason is None:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
@@ -231,7 +271,9 @@ class DrafterTrainer:
             "bytes_received": int(nbytes),
             "bad_records": int(bad),
             "too_long_records": int(too_long),
-            "skipped": not finite,
+            "micro_batches_without_loss": int(micro_batches - scored),
+            "skipped": skip_reason is not None,
+            "skip_reason": skip_reason,
             "step_time_s": elapsed,
         }
         record.update(extra or {})

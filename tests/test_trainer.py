@@ -65,3 +65,57 @@ def test_wandb_runs_offline_and_never_writes_the_api_key(tmp_path, monkeypatch):
     assert any("wandb" in p.parts for p in files)  # an offline run was written for `wandb sync`
     for path in files:
         assert secret.encode() not in path.read_bytes(), path
+
+
+def _empty_like(batch):
+    """What a drafter receives when every record of its micro-batch was skipped as bad."""
+    from dataclasses import replace
+
+    no_rows = torch.empty(0, 0, dtype=torch.long)
+    return replace(
+        batch,
+        input_ids=no_rows,
+        loss_mask=no_rows,
+        lengths=torch.empty(0, dtype=torch.long),
+        sample_ids=torch.empty(0, dtype=torch.long),
+        hidden_states=torch.empty(0, 0, batch.hidden_states.shape[-1]),
+        bad_records=1,
+    )
+
+
+def test_an_empty_micro_batch_adds_exactly_zero_gradient_and_does_not_dilute_the_step():
+    overrides = ["train.max_steps=4", "train.micro_batch_size=2"]
+    with_empty = DrafterTrainer(
+        to_dataclass(compose_config([*overrides, "train.grad_accum=2"])), torch.device("cpu"), total_steps=4
+    )
+    alone = DrafterTrainer(
+        to_dataclass(compose_config([*overrides, "train.grad_accum=1"])), torch.device("cpu"), total_steps=4
+    )
+    batch = _micro_batch(alone.cfg)
+    with_empty.micro_step(_empty_like(batch), last_of_step=False)
+    assert all(p.grad is not None and not p.grad.any() for p in with_empty.drafter.parameters())
+    with_empty.micro_step(batch, last_of_step=True)
+    alone.micro_step(batch, last_of_step=True)
+    mixed, single = with_empty.optimizer_step(), alone.optimizer_step()
+    assert mixed["micro_batches_without_loss"] == 1 and not mixed["skipped"]
+    assert mixed["loss"] == single["loss"] and mixed["grad_norm"] == single["grad_norm"]
+    expected = alone.drafter.state_dict()
+    for name, value in with_empty.drafter.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
+def test_a_step_without_loss_tokens_leaves_weights_and_optimizer_alone():
+    cfg = to_dataclass(compose_config(["train.max_steps=4", "train.micro_batch_size=2"]))
+    trainer = DrafterTrainer(cfg, torch.device("cpu"), total_steps=4)
+    batch = _micro_batch(cfg)
+    trainer.micro_step(batch, last_of_step=True)
+    trainer.optimizer_step()  # AdamW now has momentum that a zero gradient would still apply
+    weights = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
+    adam_steps = [s["step"].clone() for s in trainer.optimizer.state.values()]
+    trainer.micro_step(_empty_like(batch), last_of_step=True)
+    record = trainer.optimizer_step()
+    assert record["skipped"] and record["skip_reason"] == "no_loss_tokens" and record["loss"] is None
+    assert record["step"] == 2 and record["bad_records"] == 1 and record["micro_batches_without_loss"] == 1
+    for name, value in trainer.drafter.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    assert [s["step"] for s in trainer.optimizer.state.values()] == adam_steps
