@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_mp import regenerate as regen
 from dflash_mp.data import load_tokenizer, tokenize_chat
 from dflash_mp.embedded import embedded_path
 from dflash_mp.eval import autoregressive_generate, load_target_model, stop_token_ids
 from dflash_mp.regenerate import RegenerateError, Settings, main, read_parts, regenerate
+from dflash_mp.regenerate import local as regen
 from tests.conftest import REPO, job_env
 
 NEW_TOKENS = 10
