@@ -4,9 +4,11 @@
 
 It serves GET /v1/models, POST /v1/chat/completions (greedy decoding only, with the tokenizer's
 chat template and the request's chat_template_kwargs, one request decoded at a time) and
-GET /stats (requests, failed, max_in_flight: what a client's concurrency and retries did).
---fail-first N answers the first N chat requests with 503, --delay holds every request that long,
-and with --api-key-env NAME requests must carry the key in $NAME. It prints
+GET /stats (requests, failed, max_in_flight: what a client's concurrency and retries did;
+/stats?reset=1 zeroes them after reading). --fail-first N answers the first N chat requests
+(after a reset, again) with 503, --delay holds every request that long, --log-requests FILE
+appends every request body with the prompt as rendered, and with --api-key-env NAME requests
+must carry the key in $NAME. It prints
 `serving MODEL at http://HOST:PORT` once it listens (--port 0 picks a free port).
 It is not a production server: use vLLM or SGLang for real regeneration.
 """
@@ -35,7 +37,9 @@ class ChatError(Exception):
 class TargetChat:
     """Greedy chat completions by a local target; counts what clients did, for tests."""
 
-    def __init__(self, target: Path, model_name: str, fail_first: int, delay: float) -> None:
+    def __init__(
+        self, target: Path, model_name: str, fail_first: int, delay: float, log_requests: Path | None
+    ) -> None:
         import torch
 
         from dflash_mp.data import load_tokenizer
@@ -46,6 +50,7 @@ class TargetChat:
         self.stops = stop_token_ids(self.tokenizer, self.model)
         self.context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self.model_name, self.fail_first, self.delay = model_name, fail_first, delay
+        self.log_requests = log_requests
         self.stats = {"requests": 0, "failed": 0, "max_in_flight": 0}
         self._in_flight = 0
         self._count_lock = threading.Lock()
@@ -65,6 +70,13 @@ class TargetChat:
     def leave(self) -> None:
         with self._count_lock:
             self._in_flight -= 1
+
+    def read_stats(self, reset: bool) -> dict[str, int]:
+        with self._count_lock:
+            stats = dict(self.stats)
+            if reset:
+                self.stats = {"requests": 0, "failed": 0, "max_in_flight": self._in_flight}
+            return stats
 
     def complete(self, body: Any) -> dict[str, Any]:
         from dflash_mp.eval import autoregressive_generate
@@ -95,6 +107,12 @@ class TargetChat:
                 400, f"maximum context length is {self.context} tokens; the prompt has {len(prompt)}"
             )
         with self._decode_lock:
+            if self.log_requests is not None:
+                text = self.tokenizer.apply_chat_template(
+                    body["messages"], add_generation_prompt=True, tokenize=False, **kwargs
+                )
+                with open(self.log_requests, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"request": body, "prompt": text}) + "\n")
             new_tokens = autoregressive_generate(self.model, list(prompt), max_tokens, self.stops).new_tokens
         finished = new_tokens[-1] in self.stops
         text = self.tokenizer.decode(new_tokens[:-1] if finished else new_tokens, skip_special_tokens=True)
@@ -134,7 +152,7 @@ def make_handler(chat: TargetChat, api_key: str | None) -> type[BaseHTTPRequestH
             self.wfile.write(data)
 
         def _error(self, status: int, message: str) -> None:
-            self._reply(status, {"object": "error", "message": message, "code": status})
+            self._reply(status, {"object": "error", "message": message})
 
         def _authorized(self) -> bool:
             if api_key is None or self.headers.get("Authorization") == f"Bearer {api_key}":
@@ -147,8 +165,8 @@ def make_handler(chat: TargetChat, api_key: str | None) -> type[BaseHTTPRequestH
                 return
             if self.path == "/v1/models":
                 self._reply(200, {"object": "list", "data": [{"id": chat.model_name, "object": "model"}]})
-            elif self.path == "/stats":
-                self._reply(200, chat.stats)
+            elif self.path in ("/stats", "/stats?reset=1"):
+                self._reply(200, chat.read_stats(reset=self.path.endswith("reset=1")))
             else:
                 self._error(404, f"no route {self.path}")
 
@@ -163,17 +181,16 @@ def make_handler(chat: TargetChat, api_key: str | None) -> type[BaseHTTPRequestH
             allowed = chat.enter()
             try:
                 time.sleep(chat.delay)
-                if not allowed:
-                    self._error(503, "failing on purpose (--fail-first)")
-                    return
-                try:
-                    self._reply(200, chat.complete(json.loads(raw)))
-                except ValueError:
-                    self._error(400, "the body is not JSON")
-                except ChatError as e:
-                    self._error(e.status, str(e))
+                status, payload = 503, {"object": "error", "message": "failing on purpose (--fail-first)"}
+                if allowed:
+                    status, payload = 200, chat.complete(json.loads(raw))
+            except ValueError:
+                status, payload = 400, {"object": "error", "message": "the body is not JSON"}
+            except ChatError as e:
+                status, payload = e.status, {"object": "error", "message": str(e)}
             finally:
-                chat.leave()
+                chat.leave()  # before replying: the client may send its next request at once
+            self._reply(status, payload)
 
     return Handler
 
@@ -190,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000, help="0: a free port")
     parser.add_argument("--fail-first", type=int, default=0, help="answer the first N chat requests with 503")
     parser.add_argument("--delay", type=float, default=0.0, help="seconds every chat request is held")
+    parser.add_argument("--log-requests", type=Path, help="append every chat request and its rendered prompt")
     parser.add_argument("--api-key-env", help="require the API key held in this environment variable")
     args = parser.parse_args(argv)
     from dflash_mp.embedded import embedded_path
@@ -199,7 +217,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.api_key_env and not api_key:
         print(f"dflash_mp.regenerate.serve: ${args.api_key_env} is empty", file=sys.stderr)
         return 2
-    chat = TargetChat(target, args.served_model_name or args.target, args.fail_first, args.delay)
+    chat = TargetChat(
+        target, args.served_model_name or args.target, args.fail_first, args.delay, args.log_requests
+    )
     server = ThreadingHTTPServer((args.host, args.port), make_handler(chat, api_key))
     server.daemon_threads = True
     host, port = server.server_address[:2]
