@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -202,3 +203,27 @@ def test_bad_settings_are_reported_together(target: Path, data: Path, tmp_path: 
         _settings(max_new_tokens=0, batch_size=0)
     with pytest.raises(RegenerateError, match="--max-length 4096 exceeds the target's context of 512"):
         regenerate([data], tmp_path / "a.jsonl", target, _settings(max_length=4096))
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_chat_template_kwargs_reach_the_local_template(
+    thinking: bool, target: Path, data: Path, tmp_path: Path
+) -> None:
+    # A Qwen3-style template closes an empty think block in the prompt when enable_thinking is false.
+    qwen3_style = tmp_path / "qwen3-style"
+    shutil.copytree(target, qwen3_style)
+    shutil.copy(REPO / "tests/fixtures/qwen3_chat_template.jinja", qwen3_style / "chat_template.jinja")
+    tokenizer = load_tokenizer(qwen3_style)
+    lengths = {
+        flag: len(
+            tokenizer.apply_chat_template(
+                RECORDS[0][:1], add_generation_prompt=True, return_dict=True, enable_thinking=flag
+            )["input_ids"]
+        )
+        for flag in (True, False)
+    }
+    assert lengths[False] > lengths[True]
+    # No room for an answer: the error gives the length of the prompt as rendered.
+    settings = _settings(max_length=lengths[True], chat_template_kwargs={"enable_thinking": thinking})
+    with pytest.raises(RegenerateError, match=rf"in.jsonl:1: the prompt has {lengths[thinking]} tokens"):
+        regenerate([data], tmp_path / "out.jsonl", qwen3_style, settings)
