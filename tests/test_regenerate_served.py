@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -66,11 +67,18 @@ class Server:
         self.process = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        for line in self.process.stdout:  # the address comes once it listens
+        self._url: str | None = None
+
+    @property
+    def url(self) -> str:
+        """The address, once the server listens (the test starts it early and waits here)."""
+        while self._url is None:
+            line = self.process.stdout.readline()
+            if not line:
+                raise AssertionError(f"the server exited ({self.process.wait()}) before listening")
             if line.startswith("serving "):
-                self.url = line.split()[-1]
-                return
-        raise AssertionError(f"the server exited ({self.process.wait()}) before listening")
+                self._url = line.split()[-1]
+        return self._url
 
     def stats(self, reset: bool = False) -> dict[str, int]:
         request = urllib.request.Request(self.url + "/stats" + "?reset=1" * reset, headers=self.headers)
@@ -111,17 +119,29 @@ def expected(target: Path, data: Path, tmp_path_factory: pytest.TempPathFactory)
     return output.read_text()
 
 
+@dataclass
+class Servers:
+    plain: Server  # holds every request 0.15 s: requests overlap, and a client can be killed mid-way
+    failing: Server  # answers its first two requests (after each stats reset) with 503; wants a key
+
+
 @pytest.fixture(scope="module")
-def server(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    # Held requests overlap at the server (concurrency) and leave time to kill a client mid-way.
-    running = Server(target, tmp_path_factory.mktemp("server") / "requests.jsonl", "--delay", "0.15")
-    yield running
-    running.stop()
+def servers(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    """Both servers, started together (they load while the local reference is computed)."""
+    logs = tmp_path_factory.mktemp("servers")
+    started = Servers(
+        plain=Server(target, logs / "plain.jsonl", "--delay", "0.15"),
+        failing=Server(target, logs / "failing.jsonl", "--fail-first", "2", api_key="secret-key-123"),
+    )
+    yield started
+    started.plain.stop()
+    started.failing.stop()
 
 
 def test_answers_equal_the_local_backend_within_the_concurrency(
-    server: Server, target: Path, data: Path, expected: str, tmp_path: Path
+    servers: Servers, target: Path, data: Path, expected: str, tmp_path: Path
 ) -> None:
+    server = servers.plain
     server.stats(reset=True)
     output = tmp_path / "out.jsonl"
     summary = regenerate_served(
@@ -151,7 +171,8 @@ def test_answers_equal_the_local_backend_within_the_concurrency(
                 assert json.dumps(messages[:i]) in asked
 
 
-def test_thinking_on_reaches_the_template(server: Server, target: Path, data: Path, tmp_path: Path) -> None:
+def test_thinking_on_reaches_the_template(servers: Servers, data: Path, tmp_path: Path) -> None:
+    server = servers.plain
     before = len(server.requests())
     settings = _settings(chat_template_kwargs={"enable_thinking": True})
     regenerate_served([data], tmp_path / "out.jsonl", _server_settings(server.url), settings, limit=1)
@@ -162,8 +183,9 @@ def test_thinking_on_reaches_the_template(server: Server, target: Path, data: Pa
 
 @pytest.mark.slow
 def test_a_killed_run_resumes_without_duplicates_or_gaps(
-    server: Server, data: Path, target: Path, expected: str, tmp_path: Path
+    servers: Servers, data: Path, target: Path, expected: str, tmp_path: Path
 ) -> None:
+    server = servers.plain
     output = tmp_path / "out.jsonl"
     part = tmp_path / "out.jsonl.parts" / "part-00000.jsonl"
     cmd = [sys.executable, "-m", "dflash_mp.regenerate", "--input", str(data), "--output", str(output)]
@@ -193,50 +215,43 @@ def test_a_killed_run_resumes_without_duplicates_or_gaps(
 
 
 def test_retries_failures_and_the_api_key(
-    target: Path, data: Path, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    servers: Servers, data: Path, target: Path, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = Server(target, tmp_path / "requests.jsonl", "--fail-first", "2", api_key="secret-key-123")
-    try:
-        settings = _settings()
-        monkeypatch.setenv(API_KEY_ENV, "wrong-key-456")
-        with pytest.raises(
-            RegenerateError, match=rf"HTTP 401 .*check the API key in \${API_KEY_ENV}"
-        ) as error:
-            regenerate_served(
-                [data], tmp_path / "x.jsonl", _server_settings(server.url, api_key_env=API_KEY_ENV), settings
-            )
-        assert "wrong-key-456" not in str(error.value)
-        monkeypatch.setenv(API_KEY_ENV, "secret-key-123")
-
-        # Two 503s, then answers: two retries suffice.
-        one_at_a_time = _server_settings(server.url, api_key_env=API_KEY_ENV, concurrency=1, max_retries=2)
-        out = tmp_path / "a" / "out.jsonl"
-        summary = regenerate_served([data], out, one_at_a_time, settings, tokenizer_path=target)
-        assert out.read_text() == expected
-        assert server.stats(reset=True) == {"requests": summary["turns"] + 2, "failed": 2, "max_in_flight": 1}
-
-        # One retry does not: record 0 fails, the others are written, OUTPUT is not.
-        out = tmp_path / "b" / "out.jsonl"
-        one_retry = _server_settings(server.url, api_key_env=API_KEY_ENV, concurrency=1, max_retries=1)
-        with pytest.raises(RecordsFailed, match=r"1 record\(s\) failed .*prompts.jsonl:1: HTTP 503"):
-            regenerate_served([data], out, one_retry, settings, tokenizer_path=target)
-        assert not out.exists() and sorted(read_parts(out.parent / "out.jsonl.parts")) == list(
-            range(1, RECORDS)
+    server = servers.failing
+    settings = _settings()
+    monkeypatch.setenv(API_KEY_ENV, "wrong-key-456")
+    with pytest.raises(RegenerateError, match=rf"HTTP 401 .*check the API key in \${API_KEY_ENV}") as error:
+        regenerate_served(
+            [data], tmp_path / "x.jsonl", _server_settings(server.url, api_key_env=API_KEY_ENV), settings
         )
+    assert "wrong-key-456" not in str(error.value)
+    monkeypatch.setenv(API_KEY_ENV, "secret-key-123")
 
-        # Skipped instead (the 503s again): OUTPUT without record 0; a rerun asks for record 0 only.
-        server.stats(reset=True)
-        one_retry.on_failed_request = "skip"
-        summary = regenerate_served([data], out, one_retry, settings, tokenizer_path=target)
-        assert summary is not None and summary["failed"] == 1
-        assert out.read_text().splitlines() == expected.splitlines()[1:]
-        asked = server.stats()["requests"]
+    # Two 503s, then answers: two retries suffice.
+    one_at_a_time = _server_settings(server.url, api_key_env=API_KEY_ENV, concurrency=1, max_retries=2)
+    out = tmp_path / "a" / "out.jsonl"
+    summary = regenerate_served([data], out, one_at_a_time, settings, tokenizer_path=target)
+    assert out.read_text() == expected
+    assert server.stats(reset=True) == {"requests": summary["turns"] + 2, "failed": 2, "max_in_flight": 1}
+
+    # One retry does not: record 0 fails, the others are written, OUTPUT is not.
+    out = tmp_path / "b" / "out.jsonl"
+    one_retry = _server_settings(server.url, api_key_env=API_KEY_ENV, concurrency=1, max_retries=1)
+    with pytest.raises(RecordsFailed, match=r"1 record\(s\) failed .*prompts.jsonl:1: HTTP 503"):
         regenerate_served([data], out, one_retry, settings, tokenizer_path=target)
-        assert out.read_text() == expected
-        first_turns = sum(m["role"] == "assistant" for m in json.loads(expected.splitlines()[0])["messages"])
-        assert server.stats()["requests"] == asked + first_turns
-    finally:
-        server.stop()
+    assert not out.exists() and sorted(read_parts(out.parent / "out.jsonl.parts")) == list(range(1, RECORDS))
+
+    # Skipped instead (the 503s again): OUTPUT without record 0; a rerun asks for record 0 only.
+    server.stats(reset=True)
+    one_retry.on_failed_request = "skip"
+    summary = regenerate_served([data], out, one_retry, settings, tokenizer_path=target)
+    assert summary is not None and summary["failed"] == 1
+    assert out.read_text().splitlines() == expected.splitlines()[1:]
+    asked = server.stats()["requests"]
+    regenerate_served([data], out, one_retry, settings, tokenizer_path=target)
+    assert out.read_text() == expected
+    first_turns = sum(m["role"] == "assistant" for m in json.loads(expected.splitlines()[0])["messages"])
+    assert server.stats()["requests"] == asked + first_turns
 
 
 # ----------------------------------------------------------------------------------------- no server

@@ -55,7 +55,11 @@ class RecordsFailed(Exception):
 
 
 class TransientError(Exception):
-    """A request that may succeed when sent again."""
+    """A request that may succeed when sent again (after `retry_after` seconds, if the server said)."""
+
+    def __init__(self, message: str, retry_after: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class RequestRefused(Exception):
@@ -127,9 +131,7 @@ class ChatClient:
         except urllib.error.HTTPError as e:
             reason = f"HTTP {e.code} from {method} {path}: {_error_message(e)}"
             if e.code in _RETRIED_STATUSES or e.code >= 500:
-                error = TransientError(reason)
-                error.retry_after = _retry_after(e.headers.get("Retry-After"))  # type: ignore[attr-defined]
-                raise error from None
+                raise TransientError(reason, _retry_after(e.headers.get("Retry-After"))) from None
             if e.code in _FATAL_STATUSES:
                 hint = _FATAL_STATUSES[e.code]
                 if e.code in (401, 403):
@@ -153,7 +155,7 @@ class ChatClient:
                     raise TransientError(f"{e} (after {attempts} attempt{'s' * (attempts > 1)})") from None
                 backoff = min(self.settings.retry_backoff * 2**retry, _MAX_WAIT_SECONDS)
                 # Jitter spreads the retries of many threads that failed together.
-                wait_s = max(backoff * random.uniform(0.5, 1.0), getattr(e, "retry_after", 0.0))
+                wait_s = max(backoff * random.uniform(0.5, 1.0), e.retry_after)
                 log.debug("retrying in %.2f s: %s", wait_s, e)
                 time.sleep(wait_s)
         raise AssertionError("unreachable")
