@@ -181,6 +181,17 @@ def test_thinking_on_reaches_the_template(servers: Servers, data: Path, tmp_path
     assert all(e["prompt"].endswith("<|im_start|>assistant\n") for e in sent)
 
 
+def test_a_request_the_server_refuses_is_a_bad_record(servers: Servers, tmp_path: Path) -> None:
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": " ".join(["Count"] * 300)}]}) + "\n")
+    settings = _settings(max_new_tokens=300)  # no tokenizer here to fit it: the server's context is 512
+    with pytest.raises(RegenerateError, match=r"long.jsonl:1: the server refused turn 1: HTTP 400 .*context"):
+        regenerate_served([data], tmp_path / "a.jsonl", _server_settings(servers.plain.url), settings)
+    skip = _settings(max_new_tokens=300, on_bad_record="skip")
+    summary = regenerate_served([data], tmp_path / "b.jsonl", _server_settings(servers.plain.url), skip)
+    assert summary is not None and summary["records"] == 0 and sum(summary["skipped"].values()) == 1
+
+
 @pytest.mark.slow
 def test_a_killed_run_resumes_without_duplicates_or_gaps(
     servers: Servers, data: Path, target: Path, expected: str, tmp_path: Path
