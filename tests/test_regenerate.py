@@ -227,3 +227,19 @@ def test_chat_template_kwargs_reach_the_local_template(
     settings = _settings(max_length=lengths[True], chat_template_kwargs={"enable_thinking": thinking})
     with pytest.raises(RegenerateError, match=rf"in.jsonl:1: the prompt has {lengths[thinking]} tokens"):
         regenerate([data], tmp_path / "out.jsonl", qwen3_style, settings)
+
+
+def test_a_conversation_the_template_rejects_is_a_bad_record(
+    target: Path, data: Path, tmp_path: Path
+) -> None:
+    strict = tmp_path / "no-system"
+    shutil.copytree(target, strict)
+    template = (target / "chat_template.jinja").read_text()
+    guard = "{%- if messages[0]['role'] == 'system' %}{{- raise_exception('no system turns') }}{%- endif %}"
+    (strict / "chat_template.jinja").write_text(guard + template)
+    with pytest.raises(
+        RegenerateError, match=r"in.jsonl:2: the chat template cannot render .*no system turns"
+    ):
+        regenerate([data], tmp_path / "a.jsonl", strict, _settings())
+    summary = regenerate([data], tmp_path / "b.jsonl", strict, _settings(on_bad_record="skip"))
+    assert summary is not None and summary["records"] == len(RECORDS) - 1

@@ -17,7 +17,7 @@ from dflash_mp.regenerate.records import (
     RegenerateError,
     Settings,
     append_entries,
-    render_prompt,
+    prompt_and_budget,
     split_reasoning,
     stable_seed,
     template_tail,
@@ -122,10 +122,10 @@ def regenerate_batch(
             messages = conversation.next_prompt()
             if messages is None:
                 continue
-            ids = render_prompt(tokenizer, messages, settings)
-            budget = conversation.fit_response(len(ids), tail, settings)
-            if budget is None:
+            fitted = prompt_and_budget(conversation, tokenizer, messages, tail, settings)
+            if fitted is None:
                 continue
+            ids, budget = fitted
             prompts.append(ids)
             budgets.append(budget)
             asking.append(conversation)

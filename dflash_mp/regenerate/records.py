@@ -170,6 +170,22 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, str]], settings: Sett
     return list(encoding["input_ids"])
 
 
+def prompt_and_budget(
+    conversation: Conversation, tokenizer: Any, messages: list[dict[str, str]], tail: int, settings: Settings
+) -> tuple[list[int], int] | None:
+    """The next prompt's ids and the room for its response, or None when it gets no response (see
+    Conversation.fit_response); a template that rejects the conversation gives the record a problem."""
+    from jinja2 import TemplateError
+
+    try:
+        ids = render_prompt(tokenizer, messages, settings)
+    except (ValueError, TemplateError) as e:  # a template's raise_exception() is a TemplateError
+        conversation.problem = f"the chat template cannot render the conversation: {e}"
+        return None
+    budget = conversation.fit_response(len(ids), tail, settings)
+    return None if budget is None else (ids, budget)
+
+
 def template_tail(tokenizer: Any) -> int:
     """Tokens the chat template adds after an assistant content (e.g. <|im_end|> and a newline)."""
     user = [{"role": "user", "content": "x"}]

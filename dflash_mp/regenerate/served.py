@@ -35,7 +35,7 @@ from dflash_mp.regenerate.records import (
     RegenerateError,
     Settings,
     append_entries,
-    render_prompt,
+    prompt_and_budget,
     split_reasoning,
     stable_seed,
     template_tail,
@@ -245,11 +245,10 @@ class _RecordAnswerer:
             max_tokens = settings.max_new_tokens
             if self.tokenizer is not None:
                 with self._tokenizer_lock:
-                    prompt_tokens = len(render_prompt(self.tokenizer, messages, settings))
-                budget = conversation.fit_response(prompt_tokens, self.tail, settings)
-                if budget is None:
+                    fitted = prompt_and_budget(conversation, self.tokenizer, messages, self.tail, settings)
+                if fitted is None:
                     return None
-                max_tokens = budget
+                max_tokens = fitted[1]
             body: dict[str, Any] = {
                 "model": self.model,
                 "messages": messages,
