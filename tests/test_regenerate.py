@@ -145,6 +145,8 @@ def test_under_torchrun(target: Path, data: Path, tmp_path: Path) -> None:
         "dflash_mp.regenerate",
     ]
     cmd += [
+        "--target",
+        "embedded",
         "--input",
         str(data),
         "--output",

@@ -25,6 +25,9 @@ on|off for enable_thinking) reaches the chat template, locally or as the request
 chat_template_kwargs. The target's reasoning (a server's reasoning_content, or a leading
 <think>...</think> block) is dropped, or kept in the turn's reasoning_content with
 --keep-reasoning. The API key is read from $OPENAI_API_KEY (--api-key-env names another).
+Requests carry temperature, max_tokens and (when sampling) a seed per record and turn; other
+sampling parameters are the server's defaults (vLLM: the model's generation_config), whereas
+the local backend samples from the plain temperature-scaled distribution.
 
 Ranks split the records by index (rank r takes records i with i % world == r; --rank and
 --world-size also allow independent jobs, e.g. a Slurm array or one client per server). Each
