@@ -245,3 +245,11 @@ def test_a_conversation_the_template_rejects_is_a_bad_record(
         regenerate([data], tmp_path / "a.jsonl", strict, _settings())
     summary = regenerate([data], tmp_path / "b.jsonl", strict, _settings(on_bad_record="skip"))
     assert summary is not None and summary["records"] == len(RECORDS) - 1
+
+
+def test_resuming_onto_a_changed_input_is_an_error(target: Path, data: Path, tmp_path: Path) -> None:
+    regenerate([data], tmp_path / "out.jsonl", target, _settings(), limit=2)
+    lines = data.read_text().splitlines(keepends=True)
+    data.write_text("".join([lines[1], lines[0], *lines[2:]]))  # same records, another order
+    with pytest.raises(RegenerateError, match=r"in.jsonl:1 is not the record .*out.jsonl.parts holds"):
+        regenerate([data], tmp_path / "out.jsonl", target, _settings())

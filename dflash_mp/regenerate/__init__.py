@@ -31,8 +31,9 @@ the local backend samples from the plain temperature-scaled distribution.
 
 Ranks split the records by index (rank r takes records i with i % world == r; --rank and
 --world-size also allow independent jobs, e.g. a Slurm array or one client per server). Each
-appends its results to OUTPUT.parts/part-RRRRR.jsonl keyed by record index, so a killed job
-rerun with the same arguments, at any world size, skips what is written. Whichever rank finds
+appends its results to OUTPUT.parts/part-RRRRR.jsonl keyed by record index (with a digest of
+the input line: resuming onto a changed input is an error), so a killed job rerun with the same
+arguments, at any world size, skips what is written. Whichever rank finds
 every record done merges the parts into OUTPUT in record order (atomically); the parts stay for
 provenance. Exit status: 0 done, 2 bad input or settings, 3 records whose requests failed after
 their retries (a rerun retries them).

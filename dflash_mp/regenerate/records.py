@@ -278,6 +278,10 @@ def merge(
     return summary
 
 
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.strip().encode()).hexdigest()[:16]
+
+
 class RecordJob:
     """One rank's share of the input records (index i with i % world == rank), less what a previous
     run already wrote, and the writing of its results."""
@@ -307,7 +311,9 @@ class RecordJob:
             raise RegenerateError(str(e)) from None
         self.num_records = len(self.index) if limit is None else min(limit, len(self.index))
         done = read_parts(self.work_dir)
+        self._check_same_input(done)
         self.pending = [i for i in range(rank, self.num_records, world_size) if i not in done]
+        self._digests: dict[int, str] = {}  # of the records being answered, for their entries
         log.info(
             "rank %d/%d: %d of %d records to regenerate",
             rank,
@@ -316,6 +322,16 @@ class RecordJob:
             self.num_records,
         )
 
+    def _check_same_input(self, done: dict[int, dict[str, Any]]) -> None:
+        """Resume only onto answers to the same records: an edited input would mix in stale ones."""
+        for i, entry in sorted(done.items()):
+            written = entry.get("input_sha256")  # absent from parts written by older versions
+            if written is not None and i < len(self.index) and written != _digest(self.index.read(i)[2]):
+                raise RegenerateError(
+                    f"{self.source(i)} is not the record {self.work_dir} holds an answer to (the input "
+                    "changed since); pass a new --work-dir, or remove that one, to regenerate this input"
+                )
+
     def source(self, i: int) -> str:
         path, line, _ = self.index.read(i)
         return f"{path}:{line}"
@@ -323,6 +339,7 @@ class RecordJob:
     def conversation(self, i: int) -> Conversation | dict[str, Any]:
         """Record i ready to answer, or its skip entry when it cannot be (or the error, with fail)."""
         path, line, text = self.index.read(i)
+        self._digests[i] = _digest(text)
         try:
             return parse_conversation(i, f"{path}:{line}", text)
         except ValueError as e:
@@ -344,6 +361,7 @@ class RecordJob:
             return self.bad(conversation.index, conversation.source, conversation.problem)
         return {
             "index": conversation.index,
+            "input_sha256": self._digests.pop(conversation.index),
             "messages": conversation.done,
             "response_tokens": conversation.response_tokens,
             "finished": conversation.finished,
@@ -354,7 +372,7 @@ class RecordJob:
         if self.settings.on_bad_record == "fail":
             raise RegenerateError(f"{source}: {reason} (pass --on-bad-record skip to skip such records)")
         log.warning("skipping %s: %s", source, reason)
-        return {"index": index, "skipped": reason}
+        return {"index": index, "input_sha256": self._digests.pop(index), "skipped": reason}
 
     def open_part(self) -> IO[str]:
         return open_part(part_path(self.work_dir, self.rank))
