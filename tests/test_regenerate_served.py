@@ -239,6 +239,7 @@ def test_retries_failures_and_the_api_key(
     monkeypatch.setenv(API_KEY_ENV, "secret-key-123")
 
     # Two 503s, then answers: two retries suffice.
+    server.stats(reset=True)
     one_at_a_time = _server_settings(server.url, api_key_env=API_KEY_ENV, concurrency=1, max_retries=2)
     out = tmp_path / "a" / "out.jsonl"
     summary = regenerate_served([data], out, one_at_a_time, settings, tokenizer_path=target)
@@ -263,6 +264,18 @@ def test_retries_failures_and_the_api_key(
     assert out.read_text() == expected
     first_turns = sum(m["role"] == "assistant" for m in json.loads(expected.splitlines()[0])["messages"])
     assert server.stats()["requests"] == asked + first_turns
+
+
+def test_a_run_stops_when_every_record_fails(servers: Servers, data: Path, tmp_path: Path) -> None:
+    # The server holds every request 0.15 s, past this client's timeout: every request fails.
+    impatient = _server_settings(servers.plain.url, concurrency=1, max_retries=0, timeout=0.05)
+    servers.plain.stats(reset=True)
+    with pytest.raises(
+        RecordsFailed, match=r"stopped after 3 records in a row failed: .* looks down .*timed out"
+    ):
+        regenerate_served([data], tmp_path / "out.jsonl", impatient, _settings())
+    # Two failed in a row (2 x concurrency): only the one record already queued was sent after them.
+    assert not (tmp_path / "out.jsonl").exists() and read_parts(tmp_path / "out.jsonl.parts") == {}
 
 
 # ----------------------------------------------------------------------------------------- no server
