@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -269,7 +270,6 @@ def test_retries_failures_and_the_api_key(
 def test_a_run_stops_when_every_record_fails(servers: Servers, data: Path, tmp_path: Path) -> None:
     # The server holds every request 0.15 s, past this client's timeout: every request fails.
     impatient = _server_settings(servers.plain.url, concurrency=1, max_retries=0, timeout=0.05)
-    servers.plain.stats(reset=True)
     with pytest.raises(
         RecordsFailed, match=r"stopped after 3 records in a row failed: .* looks down .*timed out"
     ):
@@ -282,9 +282,12 @@ def test_a_run_stops_when_every_record_fails(servers: Servers, data: Path, tmp_p
 
 
 def test_an_unreachable_server_is_a_clear_error(data: Path, tmp_path: Path) -> None:
-    settings = _server_settings("http://127.0.0.1:9/v1", max_retries=1)  # port 9 (discard): refused
+    with socket.socket() as probe:  # a port nothing listens on once this closes
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings = _server_settings(f"http://127.0.0.1:{port}/v1", max_retries=1)
     with pytest.raises(
-        RegenerateError, match=r"cannot reach the server: .*127.0.0.1:9/v1/models.*after 2 attempts"
+        RegenerateError, match=rf"cannot reach the server: .*127.0.0.1:{port}/v1/models.*after 2 attempts"
     ):
         regenerate_served([data], tmp_path / "out.jsonl", settings, _settings())
 
