@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_mp import regenerate as regen
 from dflash_mp.data import load_tokenizer, tokenize_chat
 from dflash_mp.embedded import embedded_path
 from dflash_mp.eval import autoregressive_generate, load_target_model, stop_token_ids
 from dflash_mp.regenerate import RegenerateError, Settings, main, read_parts, regenerate
+from dflash_mp.regenerate import local as regen
 from tests.conftest import REPO, job_env
 
 NEW_TOKENS = 10
@@ -144,6 +145,8 @@ def test_under_torchrun(target: Path, data: Path, tmp_path: Path) -> None:
         "dflash_mp.regenerate",
     ]
     cmd += [
+        "--target",
+        "embedded",
         "--input",
         str(data),
         "--output",
@@ -202,3 +205,51 @@ def test_bad_settings_are_reported_together(target: Path, data: Path, tmp_path: 
         _settings(max_new_tokens=0, batch_size=0)
     with pytest.raises(RegenerateError, match="--max-length 4096 exceeds the target's context of 512"):
         regenerate([data], tmp_path / "a.jsonl", target, _settings(max_length=4096))
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_chat_template_kwargs_reach_the_local_template(
+    thinking: bool, target: Path, data: Path, tmp_path: Path
+) -> None:
+    # A Qwen3-style template closes an empty think block in the prompt when enable_thinking is false.
+    qwen3_style = tmp_path / "qwen3-style"
+    shutil.copytree(target, qwen3_style)
+    shutil.copy(REPO / "tests/fixtures/qwen3_chat_template.jinja", qwen3_style / "chat_template.jinja")
+    tokenizer = load_tokenizer(qwen3_style)
+    lengths = {
+        flag: len(
+            tokenizer.apply_chat_template(
+                RECORDS[0][:1], add_generation_prompt=True, return_dict=True, enable_thinking=flag
+            )["input_ids"]
+        )
+        for flag in (True, False)
+    }
+    assert lengths[False] > lengths[True]
+    # No room for an answer: the error gives the length of the prompt as rendered.
+    settings = _settings(max_length=lengths[True], chat_template_kwargs={"enable_thinking": thinking})
+    with pytest.raises(RegenerateError, match=rf"in.jsonl:1: the prompt has {lengths[thinking]} tokens"):
+        regenerate([data], tmp_path / "out.jsonl", qwen3_style, settings)
+
+
+def test_a_conversation_the_template_rejects_is_a_bad_record(
+    target: Path, data: Path, tmp_path: Path
+) -> None:
+    strict = tmp_path / "no-system"
+    shutil.copytree(target, strict)
+    template = (target / "chat_template.jinja").read_text()
+    guard = "{%- if messages[0]['role'] == 'system' %}{{- raise_exception('no system turns') }}{%- endif %}"
+    (strict / "chat_template.jinja").write_text(guard + template)
+    with pytest.raises(
+        RegenerateError, match=r"in.jsonl:2: the chat template cannot render .*no system turns"
+    ):
+        regenerate([data], tmp_path / "a.jsonl", strict, _settings())
+    summary = regenerate([data], tmp_path / "b.jsonl", strict, _settings(on_bad_record="skip"))
+    assert summary is not None and summary["records"] == len(RECORDS) - 1
+
+
+def test_resuming_onto_a_changed_input_is_an_error(target: Path, data: Path, tmp_path: Path) -> None:
+    regenerate([data], tmp_path / "out.jsonl", target, _settings(), limit=2)
+    lines = data.read_text().splitlines(keepends=True)
+    data.write_text("".join([lines[1], lines[0], *lines[2:]]))  # same records, another order
+    with pytest.raises(RegenerateError, match=r"in.jsonl:1 is not the record .*out.jsonl.parts holds"):
+        regenerate([data], tmp_path / "out.jsonl", target, _settings())

@@ -1,0 +1,205 @@
+"""The command line of `python -m dflash_mp.regenerate`: options in, one backend run, an exit status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dflash_mp.regenerate.records import RegenerateError, Settings
+
+log = logging.getLogger("dflash_mp.regenerate")
+EMBEDDED = "embedded"
+
+
+def _parser() -> argparse.ArgumentParser:
+    import dflash_mp.regenerate as package
+
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash_mp.regenerate",
+        description=package.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--input", nargs="+", required=True, help="chat JSONL files whose prompts are kept")
+    parser.add_argument("--output", type=Path, required=True, help="the regenerated JSONL file")
+    parser.add_argument(
+        "--target",
+        help="the target's local HF directory, or `embedded` for the tiny embedded target; "
+        "required for the local backend, with --server the tokenizer that fits responses into --max-length",
+    )
+    parser.add_argument("--work-dir", type=Path, help="per-rank parts (default: OUTPUT.parts)")
+    parser.add_argument(
+        "--max-length", type=int, default=3072, help="longest record in tokens (data.max_length)"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=2048, help="longest response in tokens")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument(
+        "--chat-template-kwargs",
+        default="{}",
+        help="JSON object of chat template variables, e.g. '{\"enable_thinking\": false}'",
+    )
+    parser.add_argument(
+        "--thinking", choices=("on", "off"), help="sets enable_thinking in the chat template kwargs (Qwen3)"
+    )
+    parser.add_argument(
+        "--keep-reasoning",
+        action="store_true",
+        help="keep the target's reasoning in each answer's reasoning_content (default: drop it)",
+    )
+    parser.add_argument("--limit", type=int, help="only the first N records")
+    parser.add_argument(
+        "--on-bad-record", default="fail", choices=("fail", "skip"), help="a record that cannot be used"
+    )
+    parser.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)), help="default: $RANK")
+    parser.add_argument(
+        "--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)), help="default: $WORLD_SIZE"
+    )
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="allow the target's own modelling/tokenizer code"
+    )
+
+    local = parser.add_argument_group("local backend (without --server)")
+    local.add_argument("--batch-size", type=int, default=16, help="records generated together per rank")
+    local.add_argument(
+        "--round-trip-safe",
+        action="store_true",
+        help="generate only tokens whose text re-tokenizes to the same ids (small vocabularies, e.g. the embedded one)",
+    )
+    local.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK when available), cuda or cpu")
+    local.add_argument(
+        "--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="auto: bf16 on GPU"
+    )
+
+    served = parser.add_argument_group("server backend (an OpenAI-compatible /v1/chat/completions)")
+    served.add_argument("--server", help="the server's URL, e.g. http://localhost:8000 (vLLM, SGLang)")
+    served.add_argument("--model", help="the served model name (default: the only one the server lists)")
+    served.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
+    served.add_argument(
+        "--max-retries", type=int, default=5, help="retries on connection errors, timeouts, 408, 429, 5xx"
+    )
+    served.add_argument(
+        "--retry-backoff", type=float, default=1.0, help="seconds before the first retry, doubling"
+    )
+    served.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    served.add_argument(
+        "--api-key-env", default="OPENAI_API_KEY", help="environment variable holding the API key (if any)"
+    )
+    served.add_argument(
+        "--on-failed-request",
+        default="fail",
+        choices=("fail", "skip"),
+        help="records still failing after the retries: exit 3 without writing OUTPUT (fail), or write "
+        "OUTPUT without them (skip); a rerun retries them either way",
+    )
+    return parser
+
+
+def _template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        kwargs = json.loads(args.chat_template_kwargs)
+    except ValueError as e:
+        raise RegenerateError(
+            f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e})"
+        ) from None
+    if not isinstance(kwargs, dict):
+        raise RegenerateError(f"--chat-template-kwargs {args.chat_template_kwargs!r} must be a JSON object")
+    if args.thinking is not None:
+        kwargs["enable_thinking"] = args.thinking == "on"
+    return kwargs
+
+
+def _target(name: str | None, required: bool) -> Path | None:
+    from dflash_mp.embedded import embedded_path
+
+    if name is None:
+        if required:
+            raise RegenerateError(
+                "--target is required: the target model's local Hugging Face directory "
+                "(--target embedded for the tiny embedded target), or --server URL to ask a served target"
+            )
+        return None
+    if name == EMBEDDED:
+        return embedded_path("target")
+    if not Path(name).is_dir():
+        raise RegenerateError(
+            f"--target {name}: no such directory; give the target's local Hugging Face directory "
+            "(config.json, weights, tokenizer), or --target embedded"
+        )
+    return Path(name)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The regeneration the options ask for; RegenerateError or RecordsFailed on failure."""
+    from dflash_mp.regenerate.local import regenerate
+    from dflash_mp.regenerate.served import ServerSettings, regenerate_served
+
+    settings = Settings(
+        max_length=args.max_length,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        on_bad_record=args.on_bad_record,
+        round_trip_safe=args.round_trip_safe,
+        chat_template_kwargs=_template_kwargs(args),
+        keep_reasoning=args.keep_reasoning,
+    )
+    common = dict(rank=args.rank, world_size=args.world_size, work_dir=args.work_dir, limit=args.limit)
+    if args.server is None:
+        target = _target(args.target, required=True)
+        return regenerate(
+            args.input,
+            args.output,
+            target,
+            settings,
+            device=args.device,
+            dtype=args.dtype,
+            trust_remote_code=args.trust_remote_code,
+            **common,
+        )
+    server = ServerSettings(
+        url=args.server,
+        model=args.model,
+        concurrency=args.concurrency,
+        max_retries=args.max_retries,
+        timeout=args.timeout,
+        retry_backoff=args.retry_backoff,
+        api_key_env=args.api_key_env,
+        on_failed_request=args.on_failed_request,
+    )
+    return regenerate_served(
+        args.input,
+        args.output,
+        server,
+        settings,
+        tokenizer_path=_target(args.target, required=False),
+        trust_remote_code=args.trust_remote_code,
+        **common,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from dflash_mp.data import DataError
+    from dflash_mp.regenerate.served import FAILED_EXIT_CODE, RecordsFailed
+
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {args.rank}] %(message)s")
+    try:
+        summary = run(args)
+    except (RegenerateError, DataError) as e:
+        print(f"dflash_mp.regenerate: {e}", file=sys.stderr)
+        return 2
+    except RecordsFailed as e:
+        print(f"dflash_mp.regenerate: {e}", file=sys.stderr)
+        return FAILED_EXIT_CODE
+    if summary is None:
+        log.info("rank %d done; the last rank to finish writes %s", args.rank, args.output)
+    else:
+        log.info("wrote %s: %s", args.output, json.dumps(summary))
+    return 0
