@@ -19,7 +19,7 @@ from torch import nn
 from dflash_mp import checkpoint
 from dflash_mp.block_diffusion import drafter_loss, per_position_accuracy
 from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
-from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_mp.models.drafter import DFLASH2_FIELDS, DFlashDrafter, build_drafter_config
 from dflash_mp.models.target import load_embedding_and_head
 from dflash_mp.transport import Features
 
@@ -67,6 +67,8 @@ def build_drafter(cfg: RootConfig) -> DFlashDrafter:
         target_layer_ids=layer_ids,
         block_size=cfg.model.block_size,
         mask_token_id=mask_token_id(cfg.model.target_path, cfg.model.mask_token, cfg.model.trust_remote_code),
+        arch=cfg.model.arch,
+        dflash2={key: getattr(cfg.model, key) for key in DFLASH2_FIELDS},
     )
     return DFlashDrafter(config, seed=cfg.train.seed)
 
