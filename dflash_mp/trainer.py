@@ -21,6 +21,7 @@ from dflash_mp.block_diffusion import drafter_loss, per_position_accuracy
 from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
 from dflash_mp.models.drafter import DFLASH2_FIELDS, DFlashDrafter, build_drafter_config
 from dflash_mp.models.target import load_embedding_and_head
+from dflash_mp.selector_loss import add_selector_stats, pack_selector_totals, selector_metrics
 from dflash_mp.transport import Features
 
 
@@ -86,6 +87,7 @@ class StepTotals:
     losses: list = field(default_factory=list)
     # Token counts stay tensors: reading them per micro-batch would synchronise the GPU.
     token_counts: list = field(default_factory=list)
+    selector: dict = field(default_factory=dict)  # DFlash 2 selector stats (selector_loss.py)
 
 
 class DrafterTrainer:
@@ -160,6 +162,8 @@ class DrafterTrainer:
                     num_anchors=self.cfg.data.num_anchors,
                     gamma=self.cfg.train.gamma,
                     attention=self.attention,
+                    selector_alpha=self.cfg.model.selector_loss_alpha,
+                    selector_gold=self.cfg.model.selector_gold_outside_top_k,
                 )
             (loss / accumulation).backward()
         t = self.totals
@@ -173,6 +177,7 @@ class DrafterTrainer:
         if stats is not None:
             t.correct = stats["correct"] if t.correct is None else t.correct + stats["correct"]
             t.count = stats["count"] if t.count is None else t.count + stats["count"]
+            add_selector_stats(t.selector, stats.get("selector"))
 
     def optimizer_step(self, extra: dict | None = None) -> dict:
         """Clip, check finiteness, step AdamW at the scheduled lr; returns the metrics record."""
@@ -194,12 +199,13 @@ class DrafterTrainer:
                 ),
                 correct.to(self.device, torch.float64),
                 count.to(self.device, torch.float64),
+                pack_selector_totals(t.selector, block, self.device, self.drafter.arch == "dflash2"),
             ]
         )
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(packed, group=self.group)
         loss_sum, tokens, micro_batches, sequences, nbytes, bad = packed[:6].tolist()
-        correct, count = packed[6 : 6 + block], packed[6 + block :]
+        correct, count = packed[6 : 6 + block], packed[6 + block : 6 + 2 * block]
 
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), max_norm))
@@ -233,6 +239,8 @@ class DrafterTrainer:
             "skipped": not finite,
             "step_time_s": elapsed,
         }
+        if self.drafter.arch == "dflash2":
+            record.update(selector_metrics(packed[6 + 2 * block :], count, micro_batches))
         record.update(extra or {})
         self.totals = StepTotals()
         return record

@@ -132,10 +132,25 @@ class CandidateSelector(nn.Module):
         temperature 0, else sampled from q = softmax(scores / T) over the candidates.
         """
         unary, candidates = logits.float().topk(self.top_k, dim=-1)
-        projected = self.hidden_projection(hidden)
+        tokens, q = self.walk_candidates(
+            self.hidden_projection(hidden), unary, candidates, anchor_ids, temperature, generator
+        )
+        return tokens, candidates, q
+
+    @torch.no_grad()
+    def walk_candidates(
+        self,
+        projected: Tensor,
+        unary: Tensor,
+        candidates: Tensor,
+        anchor_ids: Tensor,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """`walk` from projected hidden states [B, T, r] and the unary top-K (values, ids) [B, T, K]."""
         predecessor = anchor_ids
         tokens, q_rows = [], []
-        for position in range(hidden.shape[1]):
+        for position in range(projected.shape[1]):
             scores = (
                 unary[:, position]
                 + self.pair_scores(projected[:, position], predecessor, candidates[:, position]).float()
@@ -148,5 +163,4 @@ class CandidateSelector(nn.Module):
                 index = scores.argmax(-1)
             predecessor = candidates[:, position].gather(-1, index[:, None])[:, 0]
             tokens.append(predecessor)
-        q = torch.stack(q_rows, dim=1) if q_rows else None
-        return torch.stack(tokens, dim=1), candidates, q
+        return torch.stack(tokens, dim=1), torch.stack(q_rows, dim=1) if q_rows else None
