@@ -64,3 +64,28 @@ def test_default_layer_choice_matches_dflash():
     for layers in (6, 28, 36, 64):
         for draft in (1, 2, 3, 5):
             assert default_target_layer_ids(layers, draft) == build_target_layer_ids(layers, draft)
+
+
+def test_dflash2_settings_are_validated_against_the_target():
+    validate(_cfg("model.arch=dflash2"), world_size=3)
+    cfg = _cfg(
+        "model.arch=dflash2",
+        "model.conv_group_size=24",
+        "model.selector_top_k=500",
+        "model.selector_rank=0",
+        "model.selector_loss_alpha=-1",
+        "model.selector_gold_outside_top_k=keep",
+    )
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world_size=3)
+    message = str(info.value)
+    for expected in (
+        "model.conv_group_size=24: must divide the target's hidden size 64 (e.g. 8)",
+        "model.selector_top_k=500: exceeds the target's vocab_size 159",
+        "model.selector_rank=0: must be >= 1",
+        "model.selector_loss_alpha=-1",
+        "model.selector_gold_outside_top_k='keep': must be one of 'drop', 'inject'",
+    ):
+        assert expected in message, expected
+    with pytest.raises(ConfigError, match="model.arch='dflash3': must be one of 'dflash', 'dflash2'"):
+        validate(_cfg("model.arch=dflash3"), world_size=3)
