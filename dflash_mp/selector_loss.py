@@ -193,4 +193,7 @@ def selector_metrics(packed: Tensor, count: Tensor, micro_batches: float) -> dic
         "selector_acc": rates[1],
         "accept_selector": rates[2],
         "accept_unary": rates[3],
+        # Expected accepted drafts per block along each path (the sum of its per-index rates).
+        "accepted_len_selector": sum(rates[2]),
+        "accepted_len_unary": sum(rates[3]),
     }

@@ -155,6 +155,8 @@ def test_selector_metrics_are_rates_per_block_index() -> None:
         "selector_acc": [0.75, 0.5],
         "accept_selector": [0.75, 0.0],
         "accept_unary": [0.5, 0.0],
+        "accepted_len_selector": 0.75,
+        "accepted_len_unary": 0.5,
     }
     assert pack_selector_totals({}, 3, torch.device("cpu")).tolist() == [0.0] * 13
     with pytest.raises(ValueError, match="gold_outside_top_k='keep'"):
