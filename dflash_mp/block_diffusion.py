@@ -343,6 +343,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             chunk_loss, logits_grad, correct[rows_of_chunk] = ce_and_grad(
                 logits, labels[rows_of_chunk], scale[rows_of_chunk]
             )
+            del logits  # freed before the next chunk's are made
             loss += chunk_loss
             if hidden_grad is not None:
                 hidden_grad[rows_of_chunk] = logits_grad @ head.to(logits_grad.dtype)
