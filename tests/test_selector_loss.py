@@ -163,3 +163,66 @@ def test_selector_metrics_are_rates_per_block_index() -> None:
         selector_loss(
             *_problem()[:3], torch.zeros(1, TOP_K, dtype=torch.long), *_problem()[3:], torch.ones(()), "keep"
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dflash2_loss_on_cuda_flex_equals_sdpa_and_a_warm_step_never_syncs() -> None:
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config
+
+    from dflash_mp.block_diffusion import drafter_loss
+    from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
+
+    target = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+    )
+    fields = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": TOP_K}
+    config = build_drafter_config(target, 2, [1, 2], BLOCK, VOCAB - 1, arch="dflash2", dflash2=fields)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, VOCAB - 1, (2, 60), generator=generator)
+    batch = SimpleNamespace(
+        input_ids=input_ids.cuda(),
+        loss_mask=(torch.arange(60) >= 8).long().expand(2, -1).cuda(),
+        lengths=torch.tensor([60, 51]).cuda(),
+        sample_ids=torch.tensor([1, 2]).cuda(),
+        epoch=0,
+        hidden_states=torch.randn(2, 60, 128, generator=generator).cuda(),
+    )
+    embed, head = torch.randn(VOCAB, 64).cuda(), torch.randn(VOCAB, 64).cuda()
+    args = {"seed": 1, "num_anchors": 8, "gamma": 4.0}
+    results = {}
+    for attention in ("sdpa", "flex"):
+        drafter = DFlashDrafter(config, seed=0).cuda()
+        live = torch.Generator().manual_seed(5)
+        with torch.no_grad():  # a live selector and live convolutions, the same for both runs
+            for param in [drafter.candidate_selector.successor_codebook] + [
+                layer.attention_conv.kernel_projection.weight for layer in drafter.layers
+            ]:
+                param.copy_(0.3 * torch.randn(param.shape, generator=live))
+        loss, stats = drafter_loss(drafter, embed, head, batch, attention=attention, **args)
+        loss.backward()
+        results[attention] = (loss.detach(), [p.grad for p in drafter.parameters()], stats["selector"])
+    torch.testing.assert_close(results["flex"][0], results["sdpa"][0], atol=1e-4, rtol=1e-4)
+    for flex_grad, sdpa_grad in zip(results["flex"][1], results["sdpa"][1], strict=True):
+        torch.testing.assert_close(flex_grad, sdpa_grad, atol=1e-4, rtol=1e-3)
+    assert torch.equal(results["flex"][2]["topk_hits"], results["sdpa"][2]["topk_hits"])
+    for warm in (True, False):
+        torch.cuda.set_sync_debug_mode("warn" if warm else "error")
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss, _ = drafter_loss(
+                    drafter, embed.bfloat16(), head.bfloat16(), batch, attention="flex", **args
+                )
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss).item()
