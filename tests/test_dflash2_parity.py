@@ -224,3 +224,20 @@ def test_bad_dflash2_settings_are_named() -> None:
         _config(selector_top_k=301)
     with pytest.raises(ValueError, match="arch 'dflash3'"):
         _config("dflash3")
+
+
+def test_selector_walk_in_bf16_picks_the_reference_propose_tokens(tmp_path) -> None:
+    drafter = _randomised(DFlashDrafter(_config(), seed=0))
+    export_dir = export_drafter(drafter, tmp_path / "export")  # bf16, as training exports
+    reference = DFlash2DraftModel.from_pretrained(export_dir, dtype=torch.bfloat16).eval()
+    ours = load_exported_drafter(export_dir).eval()
+    generator = torch.Generator().manual_seed(4)
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=False).to(torch.bfloat16)
+    head.weight.data = torch.randn(VOCAB, HIDDEN, generator=generator).bfloat16()
+    # Many rows: picks that fp32 scoring of bf16 values would decide otherwise are then certain.
+    hidden = torch.randn(1000, BLOCK - 1, HIDDEN, generator=generator).bfloat16()
+    anchors = torch.randint(0, VOCAB, (1000,), generator=generator)
+    with torch.no_grad():
+        expected, _, _ = reference.propose(hidden, anchors, head, 0.0)
+        tokens, _, _ = ours.candidate_selector.walk(hidden, head(hidden), anchors)
+    assert torch.equal(tokens, expected)

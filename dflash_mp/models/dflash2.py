@@ -131,7 +131,9 @@ class CandidateSelector(nn.Module):
         position picks among its top-K unary candidates given the previous pick; greedy at
         temperature 0, else sampled from q = softmax(scores / T) over the candidates.
         """
-        unary, candidates = logits.float().topk(self.top_k, dim=-1)
+        # As the reference scores: in the logits' dtype and in topk's unsorted order, so that bf16
+        # decoding makes the same picks, exact ties included (argmax takes the first).
+        unary, candidates = logits.topk(self.top_k, dim=-1, sorted=False)
         tokens, q = self.walk_candidates(
             self.hidden_projection(hidden), unary, candidates, anchor_ids, temperature, generator
         )
@@ -151,12 +153,11 @@ class CandidateSelector(nn.Module):
         predecessor = anchor_ids
         tokens, q_rows = [], []
         for position in range(projected.shape[1]):
-            scores = (
-                unary[:, position]
-                + self.pair_scores(projected[:, position], predecessor, candidates[:, position]).float()
+            scores = unary[:, position] + self.pair_scores(
+                projected[:, position], predecessor, candidates[:, position]
             )
             if temperature > 0:
-                q = torch.softmax(scores / temperature, dim=-1)
+                q = torch.softmax(scores.float() / temperature, dim=-1)
                 index = torch.multinomial(q, 1, generator=generator)[:, 0]
                 q_rows.append(q)
             else:
