@@ -50,7 +50,7 @@ DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selec
 
 
 def drafter_arch(config: PretrainedConfig) -> str:
-    """ "dflash2" when the config carries the DFlash 2 fields, else "dflash"."""
+    """The drafter architecture of `config`: "dflash2" when it carries the DFlash 2 fields, else "dflash"."""
     dflash = getattr(config, "dflash_config", None) or {}
     return "dflash2" if all(key in dflash for key in DFLASH2_FIELDS) else "dflash"
 
