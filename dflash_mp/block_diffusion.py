@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask
+
+from dflash_mp.selector_loss import SelectorStats, selector_loss
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -36,6 +38,7 @@ class LossStats(TypedDict):
     correct: Tensor  # [Bs] int64: argmax == label at block index k, where weight > 0 (k=0 is 0)
     count: Tensor  # [Bs] int64: positions with weight > 0 at block index k (k=0 is 0)
     weight_sum: Tensor  # [] float32: sum of loss weights, the loss's denominator
+    selector: NotRequired[SelectorStats]  # DFlash 2 drafters only
 
 
 # ----------------------------------------------------------------------------- anchors
@@ -315,6 +318,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale: Tensor,
         chunk_tokens: int,
         grad_enabled: bool,
+        top_k: int = 0,
     ):
         rows = hidden.shape[0]
         # Under no_grad nobody will call backward: skip the gradient matmuls.
@@ -328,12 +332,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         correct = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
         hidden_grad = torch.empty_like(hidden) if need_hidden_grad else None  # every row is written
         head_grad = torch.zeros_like(head, dtype=torch.float32) if need_head_grad else None
+        # The DFlash 2 selector's candidates: each row's top-K ids, taken while the logits exist.
+        candidates = torch.zeros(rows, top_k, dtype=torch.long, device=hidden.device)
         for start in range(0, rows, size):
             rows_of_chunk = slice(start, start + size)
             chunk = hidden[rows_of_chunk]
+            logits = F.linear(chunk, head)
+            if top_k:
+                candidates[rows_of_chunk] = logits.topk(top_k, dim=-1).indices
             chunk_loss, logits_grad, correct[rows_of_chunk] = ce_and_grad(
-                F.linear(chunk, head), labels[rows_of_chunk], scale[rows_of_chunk]
+                logits, labels[rows_of_chunk], scale[rows_of_chunk]
             )
+            del logits  # freed before the next chunk's are made
             loss += chunk_loss
             if hidden_grad is not None:
                 hidden_grad[rows_of_chunk] = logits_grad @ head.to(logits_grad.dtype)
@@ -341,17 +351,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 head_grad += (logits_grad.T @ chunk.to(logits_grad.dtype)).float()
         ctx.save_for_backward(hidden_grad, head_grad)
         ctx.head_dtype = head.dtype
-        ctx.mark_non_differentiable(correct)
-        return loss, correct
+        ctx.mark_non_differentiable(correct, candidates)
+        return loss, correct, candidates
 
     @staticmethod
-    def backward(ctx, loss_grad: Tensor, _correct_grad: Tensor | None):
+    def backward(ctx, loss_grad: Tensor, _correct_grad: Tensor | None, _candidates_grad: Tensor | None):
         hidden_grad, head_grad = ctx.saved_tensors
         if hidden_grad is not None:
             hidden_grad = hidden_grad * loss_grad.to(hidden_grad.dtype)
         if head_grad is not None:
             head_grad = (head_grad * loss_grad).to(ctx.head_dtype)
-        return hidden_grad, head_grad, None, None, None, None
+        return hidden_grad, head_grad, None, None, None, None, None
 
 
 def chunked_lm_head_loss(
@@ -361,6 +371,20 @@ def chunked_lm_head_loss(
     weights: Tensor,
     chunk_tokens: int = 2048,
 ) -> tuple[Tensor, LossStats]:
+    """`decay_weighted_ce(hidden @ head_weight.T, ...)` without materialising all logits (see
+    `lm_head_loss_and_candidates`)."""
+    loss, stats, _ = lm_head_loss_and_candidates(hidden, head_weight, labels, weights, 0, chunk_tokens)
+    return loss, stats
+
+
+def lm_head_loss_and_candidates(
+    hidden: Tensor,
+    head_weight: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    top_k: int,
+    chunk_tokens: int = 2048,
+) -> tuple[Tensor, LossStats, Tensor]:
     """`decay_weighted_ce(hidden @ head_weight.T, ...)` without materialising all logits.
 
     hidden [B,N*Bs,H], head_weight [V,H], labels/weights [B,N,Bs]; block index 0 must carry
@@ -368,6 +392,8 @@ def chunked_lm_head_loss(
     exist one chunk of `chunk_tokens` rows at a time (2048 x 152k bf16 = 0.6 GB) and their
     gradient is taken on the spot (`_LinearCrossEntropy`). Shapes depend only on the batch shape
     and nothing reads back from the GPU, so a compiled step never waits on the host here.
+    Also returns the top-`top_k` head ids of every scored row, [B*N*(Bs-1), top_k] sorted by
+    logit (the DFlash 2 selector's candidates; [.., 0] when top_k is 0).
     """
     batch, num_blocks, block_size = labels.shape
     scored_hidden = hidden.reshape(batch, num_blocks, block_size, -1)[:, :, 1:].reshape(-1, hidden.shape[-1])
@@ -376,14 +402,14 @@ def chunked_lm_head_loss(
     weight_sum = weights.float().sum()
     # clamp_min: an all-zero-weight batch gives 0 / tiny = 0, not NaN, and keeps the graph.
     scale = scored_weights / weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
-    loss, correct = _LinearCrossEntropy.apply(
-        scored_hidden, head_weight, scored_labels, scale, chunk_tokens, torch.is_grad_enabled()
+    loss, correct, candidates = _LinearCrossEntropy.apply(
+        scored_hidden, head_weight, scored_labels, scale, chunk_tokens, torch.is_grad_enabled(), top_k
     )
     scored = (scored_weights > 0).view(-1, block_size - 1)
     zero = torch.zeros(1, dtype=torch.long, device=weights.device)
     correct_by_index = torch.cat([zero, (correct.view_as(scored) & scored).sum(0)])
     count_by_index = torch.cat([zero, scored.sum(0)])
-    return loss, LossStats(correct=correct_by_index, count=count_by_index, weight_sum=weight_sum)
+    return loss, LossStats(correct=correct_by_index, count=count_by_index, weight_sum=weight_sum), candidates
 
 
 def per_position_accuracy(correct: Tensor, count: Tensor) -> list[float]:
@@ -405,8 +431,14 @@ def drafter_loss(
     num_anchors: int,
     gamma: float,
     attention: str,
+    selector_alpha: float = 1.0,
+    selector_gold: str = "drop",
 ) -> tuple[Tensor, LossStats]:
     """The DFlash loss of one micro-batch; shared by the reference trainer and the drafter ranks.
+
+    A DFlash 2 drafter (one with a `candidate_selector`) adds `selector_alpha` times the selector
+    term (`dflash_mp.selector_loss`; `selector_gold` says what a label outside the top-K does) and
+    its metrics under stats["selector"].
 
     `batch` has input_ids, loss_mask, lengths, sample_ids, epoch and hidden_states [B,S,K*H];
     `drafter(context_features, block_embeddings, context_positions, block_positions, mask)`
@@ -435,4 +467,13 @@ def drafter_loss(
         block_positions,
         build_mask(anchors, seq_len, block_size),
     )
-    return chunked_lm_head_loss(hidden, head_weight, labels, weights)
+    selector = getattr(drafter_module, "candidate_selector", None)
+    if selector is None:
+        return chunked_lm_head_loss(hidden, head_weight, labels, weights)
+    loss, stats, candidates = lm_head_loss_and_candidates(
+        hidden, head_weight, labels, weights, selector.top_k
+    )
+    term, stats["selector"] = selector_loss(
+        selector, hidden, head_weight, candidates, labels, weights, stats["weight_sum"], selector_gold
+    )
+    return loss + selector_alpha * term, stats

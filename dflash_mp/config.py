@@ -38,6 +38,20 @@ class ModelConfig:
     block_size: int = 16
     # Token used for the masked block positions; must exist in the target tokenizer.
     mask_token: str = "<|MASK|>"
+    # Drafter architecture: "dflash", or "dflash2" (convolutions around each sublayer + candidate selector).
+    arch: str = "dflash"
+    # dflash2: taps of the grouped dynamic depthwise convolution (over block positions).
+    conv_kernel_size: int = 2
+    # dflash2: channels per group of the convolution's dynamic kernel; must divide the hidden size.
+    conv_group_size: int = 16
+    # dflash2: rank of the selector's predecessor/successor codebooks.
+    selector_rank: int = 256
+    # dflash2: candidates (the target head's top-K at each block position) the selector chooses among.
+    selector_top_k: int = 16
+    # dflash2: weight of the selector's K-way cross-entropy next to the DFlash loss.
+    selector_loss_alpha: float = 1.0
+    # dflash2: a label outside the top-K is "drop"ped from the selector term or "inject"ed as the last candidate.
+    selector_gold_outside_top_k: str = "drop"
 
 
 @dataclass
@@ -237,6 +251,34 @@ def _at_least(problems: list[str], name: str, value: float, low: float, hint: st
         problems.append(f"{name}={value!r}: must be >= {low}{hint}")
 
 
+def _validate_dflash2(problems: list[str], m: Any) -> None:
+    _choice(problems, "model.arch", m.arch, ("dflash", "dflash2"))
+    if m.arch != "dflash2":
+        return
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        _at_least(problems, f"model.{name}", getattr(m, name), 1)
+    _at_least(
+        problems,
+        "model.selector_loss_alpha",
+        m.selector_loss_alpha,
+        0.0,
+        " (0: train the selector not at all)",
+    )
+    _choice(problems, "model.selector_gold_outside_top_k", m.selector_gold_outside_top_k, ("drop", "inject"))
+
+
+def _validate_dflash2_against_target(problems: list[str], m: Any, target: dict[str, Any]) -> None:
+    hidden, vocab = int(target["hidden_size"]), int(target["vocab_size"])
+    if isinstance(m.conv_group_size, int) and m.conv_group_size >= 1 and hidden % m.conv_group_size:
+        divisors = [g for g in (8, 16, 32, 64) if hidden % g == 0]
+        problems.append(
+            f"model.conv_group_size={m.conv_group_size}: must divide the target's hidden size {hidden}"
+            + (f" (e.g. {divisors[0]})" if divisors else "")
+        )
+    if isinstance(m.selector_top_k, int) and m.selector_top_k > vocab:
+        problems.append(f"model.selector_top_k={m.selector_top_k}: exceeds the target's vocab_size {vocab}")
+
+
 def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> None:
     """Raise ConfigError listing every problem in `cfg` (fields named, valid ranges given)."""
     problems: list[str] = []
@@ -295,6 +337,7 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
 
     if m.block_size < 2:
         problems.append(f"model.block_size={m.block_size!r}: must be >= 2 (one known token + masks)")
+    _validate_dflash2(problems, m)
     _at_least(problems, "data.max_length", d.max_length, 8)
     _at_least(problems, "data.num_anchors", d.num_anchors, 1)
     _at_least(problems, "data.pad_to_multiple", d.pad_to_multiple, 1)
@@ -322,6 +365,8 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
             problems.append(f"{key}={path!r}: file does not exist")
 
     target_dir = Path(str(m.target_path))
+    if m.arch == "dflash2" and (target_dir / "config.json").is_file():
+        _validate_dflash2_against_target(problems, m, read_target_config(str(target_dir)))
     if not (target_dir / "config.json").is_file():
         problems.append(
             f"model.target_path={str(m.target_path)!r}: no config.json there; point it at a local "

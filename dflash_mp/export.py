@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from dflash_mp.checkpoint import fsync_path
-from dflash_mp.models.drafter import DFlashDrafter
+from dflash_mp.models.drafter import ARCHITECTURES, DFlashDrafter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -31,7 +31,12 @@ WEIGHTS_NAME = "model.safetensors"
 
 def _config_json(drafter: DFlashDrafter, dtype: torch.dtype) -> str:
     config = drafter.config.to_dict()
-    config["architectures"] = ["DFlashDraftModel"]
+    config["architectures"] = [ARCHITECTURES[drafter.arch]]
+    if drafter.arch == "dflash2":
+        # The DFlash 2 contract: readers key on the architecture name and read the conv and
+        # selector fields from dflash_config (build_drafter_config puts them there); without
+        # is_causal false the reference makes sliding-attention layers causal.
+        config["is_causal"] = False
     dtype_name = str(dtype).removeprefix("torch.")
     # transformers 5 reads `dtype`; older readers (and serving engines) still read `torch_dtype`.
     config["dtype"] = dtype_name

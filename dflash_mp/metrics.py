@@ -51,8 +51,9 @@ class MetricsLogger:
         self.file.flush()
         if self.wandb is not None:
             flat = {k: v for k, v in record.items() if isinstance(v, (int, float))}
-            for k, v in enumerate(record.get("acc", [])):
-                flat[f"acc/pos{k + 1}"] = v
+            for key, values in record.items():  # per-position lists: acc, and DFlash 2's selector metrics
+                if isinstance(values, list):
+                    flat.update({f"{key}/pos{k + 1}": v for k, v in enumerate(values)})
             self.wandb.log(flat, step=record["step"])
         step = record["step"]
         if step % self.progress_every == 0 or step == self.total_steps:

@@ -1,8 +1,9 @@
 """Training curves of a run as PNGs: `python -m dflash_mp.plot RUN_DIR` writes RUN_DIR/plots/*.png.
 
 Reads RUN_DIR/metrics.jsonl (one JSON object per optimizer step): loss, per-position accuracy
-(`acc`, block indices 1..B-1), acceptance length `tau` where an evaluation logged it, and
-throughput (`samples_per_s`).
+(`acc`, block indices 1..B-1), acceptance length `tau` where an evaluation logged it,
+throughput (`samples_per_s`), and for DFlash 2 the selector (`selector.png`: accepted drafts per
+training block along the served and the unary path, top-K recall, selector accuracy).
 """
 
 from __future__ import annotations
@@ -103,6 +104,30 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         axes.grid(alpha=0.3)
         axes.legend(fontsize="small", ncol=2)
         save(figure, "acc")
+
+    with_selector = [r for r in records if isinstance(r.get("accepted_len_selector"), (int, float))]
+    if with_selector:  # DFlash 2
+        figure, (paths, heads) = plt.subplots(1, 2, figsize=(11, 4))
+        steps = [r["step"] for r in with_selector]
+        for key, label in (
+            ("accepted_len_selector", "served (selector walk)"),
+            ("accepted_len_unary", "unary argmax"),
+        ):
+            paths.plot(steps, _smooth([r[key] for r in with_selector], window), label=label)
+        paths.set(
+            xlabel="optimizer step", ylabel="accepted drafts per block", title="training blocks, by path"
+        )
+        for key, label in (
+            ("topk_recall", "unary top-K recall"),
+            ("selector_acc", "selector accuracy (teacher-forced)"),
+        ):
+            means = [sum(r[key]) / max(len(r[key]), 1) for r in with_selector]
+            heads.plot(steps, _smooth(means, window), label=label)
+        heads.set(xlabel="optimizer step", ylabel="mean over block positions", ylim=(0, 1), title="selector")
+        for axes in (paths, heads):
+            axes.grid(alpha=0.3)
+            axes.legend(fontsize="small")
+        save(figure, "selector")
     return written
 
 

@@ -19,8 +19,9 @@ from torch import nn
 from dflash_mp import checkpoint
 from dflash_mp.block_diffusion import drafter_loss, per_position_accuracy
 from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
-from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_mp.models.drafter import DFLASH2_FIELDS, DFlashDrafter, build_drafter_config
 from dflash_mp.models.target import load_embedding_and_head
+from dflash_mp.selector_loss import add_selector_stats, pack_selector_totals, selector_metrics
 from dflash_mp.transport import Features
 
 
@@ -67,6 +68,8 @@ def build_drafter(cfg: RootConfig) -> DFlashDrafter:
         target_layer_ids=layer_ids,
         block_size=cfg.model.block_size,
         mask_token_id=mask_token_id(cfg.model.target_path, cfg.model.mask_token, cfg.model.trust_remote_code),
+        arch=cfg.model.arch,
+        dflash2={key: getattr(cfg.model, key) for key in DFLASH2_FIELDS},
     )
     return DFlashDrafter(config, seed=cfg.train.seed)
 
@@ -86,6 +89,7 @@ class StepTotals:
     scored: list = field(default_factory=list)  # per micro-batch: bool tensor, had loss tokens
     # Token counts stay tensors: reading them per micro-batch would synchronise the GPU.
     token_counts: list = field(default_factory=list)
+    selector: dict = field(default_factory=dict)  # DFlash 2 selector stats (selector_loss.py)
 
 
 class DrafterTrainer:
@@ -161,6 +165,8 @@ class DrafterTrainer:
                 num_anchors=self.cfg.data.num_anchors,
                 gamma=self.cfg.train.gamma,
                 attention=self.attention,
+                selector_alpha=self.cfg.model.selector_loss_alpha,
+                selector_gold=self.cfg.model.selector_gold_outside_top_k,
             )
             if empty:
                 loss = loss * 0.0
@@ -178,6 +184,7 @@ class DrafterTrainer:
         t.too_long_records += batch.too_long_records
         t.correct = stats["correct"] if t.correct is None else t.correct + stats["correct"]
         t.count = stats["count"] if t.count is None else t.count + stats["count"]
+        add_selector_stats(t.selector, stats.get("selector"))
 
     def _placeholder(self, empty: Features) -> Features:
         """One all-padding sequence without loss tokens, shaped like the data (no new dtypes)."""
@@ -226,12 +233,13 @@ class DrafterTrainer:
                 ),
                 correct.to(self.device, torch.float64),
                 count.to(self.device, torch.float64),
+                pack_selector_totals(t.selector, block, self.device, self.drafter.arch == "dflash2"),
             ]
         )
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(packed, group=self.group)
         loss_sum, tokens, scored, micro_batches, sequences, nbytes, bad, too_long = packed[:8].tolist()
-        correct, count = packed[8 : 8 + block], packed[8 + block :]
+        correct, count = packed[8 : 8 + block], packed[8 + block : 8 + 2 * block]
 
         lr = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio)
         loss, grad_norm, skip_reason = None, 0.0, None
@@ -276,6 +284,8 @@ class DrafterTrainer:
             "skip_reason": skip_reason,
             "step_time_s": elapsed,
         }
+        if self.drafter.arch == "dflash2":
+            record.update(selector_metrics(packed[8 + 2 * block :], count, scored))
         record.update(extra or {})
         self.totals = StepTotals()
         return record

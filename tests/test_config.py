@@ -80,3 +80,28 @@ def test_paper_recipe_checkpoints_and_needs_held_out_prompts_for_a_real_target(t
         validate(cfg, world_size=8)
     validate(_cfg(*common, f"data.eval_files=[{data}]"), world_size=8)
     validate(_cfg(*common, "eval.every=0"), world_size=8)
+
+
+def test_dflash2_settings_are_validated_against_the_target():
+    validate(_cfg("model.arch=dflash2"), world_size=3)
+    cfg = _cfg(
+        "model.arch=dflash2",
+        "model.conv_group_size=24",
+        "model.selector_top_k=500",
+        "model.selector_rank=0",
+        "model.selector_loss_alpha=-1",
+        "model.selector_gold_outside_top_k=keep",
+    )
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world_size=3)
+    message = str(info.value)
+    for expected in (
+        "model.conv_group_size=24: must divide the target's hidden size 64 (e.g. 8)",
+        "model.selector_top_k=500: exceeds the target's vocab_size 159",
+        "model.selector_rank=0: must be >= 1",
+        "model.selector_loss_alpha=-1",
+        "model.selector_gold_outside_top_k='keep': must be one of 'drop', 'inject'",
+    ):
+        assert expected in message, expected
+    with pytest.raises(ConfigError, match="model.arch='dflash3': must be one of 'dflash', 'dflash2'"):
+        validate(_cfg("model.arch=dflash3"), world_size=3)

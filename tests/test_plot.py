@@ -55,3 +55,18 @@ def test_missing_or_empty_metrics_are_reported(tmp_path: Path, capsys: pytest.Ca
 def test_smoothing_is_a_trailing_mean() -> None:
     assert _smooth([1.0, 2.0, 3.0, 5.0], 2) == [1.0, 1.5, 2.5, 4.0]
     assert _smooth([4.0, 2.0], 1) == [4.0, 2.0]
+
+
+def test_a_dflash2_run_gets_the_selector_plot(tmp_path: Path) -> None:
+    _write_metrics(tmp_path, with_tau=False)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()[:-1]]
+    for record in records:
+        record.update(
+            topk_recall=[0.9] * 7,
+            selector_acc=[0.5] * 7,
+            accepted_len_selector=2.0 + record["step"],
+            accepted_len_unary=2.0,
+        )
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main([str(tmp_path)]) == 0
+    assert (tmp_path / "plots" / "selector.png").read_bytes().startswith(PNG_MAGIC)

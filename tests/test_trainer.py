@@ -119,3 +119,23 @@ def test_a_step_without_loss_tokens_leaves_weights_and_optimizer_alone():
     for name, value in trainer.drafter.state_dict().items():
         assert torch.equal(value, weights[name]), name
     assert [s["step"] for s in trainer.optimizer.state.values()] == adam_steps
+
+
+def test_wandb_gets_every_per_position_list_flattened(tmp_path):
+    from dflash_mp.metrics import MetricsLogger
+
+    logged = []
+
+    class FakeRun:
+        def log(self, flat, step):
+            logged.append((step, flat))
+
+    metrics = MetricsLogger(tmp_path, 1, 0, to_dataclass(compose_config([])).logger, {})
+    metrics.wandb = FakeRun()
+    metrics.log(
+        {"step": 1, "loss": 2.0, "lr": 1e-3, "samples_per_s": 1.0, "acc": [0.5, 0.25], "topk_recall": [0.9]}
+    )
+    metrics.wandb = None
+    metrics.close()
+    step, flat = logged[0]
+    assert step == 1 and flat["acc/pos2"] == 0.25 and flat["topk_recall/pos1"] == 0.9 and flat["loss"] == 2.0

@@ -1,9 +1,13 @@
-"""The DFlash drafter as a training module (DESIGN.md §3).
+"""The DFlash (and DFlash 2) drafter as a training module (DESIGN.md §3).
 
 Parameter names, config keys and numerics follow the reference `dflash.model.DFlashDraftModel`, so an
 export of this module loads there unchanged. Unlike the reference, one forward pass takes many blocks
 at once: the caller passes every block of a sequence together with a block-sparse mask, and the
 result equals running the reference once per block.
+
+With `arch="dflash2"` (a config whose `dflash_config` carries the conv and selector fields) every
+attention and MLP sublayer is wrapped in a grouped dynamic convolution and the drafter carries a
+candidate selector (`dflash_mp.models.dflash2`), as `dflash.model.DFlash2DraftModel` does.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from dflash_mp.models.dflash2 import CandidateSelector, GroupedDynamicConv
 
 # Target-config keys that fix the shape and numerics of a decoder layer; the drafter copies them.
 _LAYER_SHAPE_KEYS = (
@@ -38,6 +44,16 @@ _ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling")
 
 AttentionMask = torch.Tensor | BlockMask
 
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+# dflash_config fields of a DFlash 2 drafter (the reference, vLLM and the MLX loader read them there).
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def drafter_arch(config: PretrainedConfig) -> str:
+    """The drafter architecture of `config`: "dflash2" when it carries the DFlash 2 fields, else "dflash"."""
+    dflash = getattr(config, "dflash_config", None) or {}
+    return "dflash2" if all(key in dflash for key in DFLASH2_FIELDS) else "dflash"
+
 
 def build_drafter_config(
     target_config: dict[str, Any] | PretrainedConfig,
@@ -45,8 +61,14 @@ def build_drafter_config(
     target_layer_ids: list[int],
     block_size: int,
     mask_token_id: int,
+    arch: str = "dflash",
+    dflash2: dict[str, int] | None = None,
 ) -> Qwen3Config:
-    """The drafter's config: the target's layer shapes, `draft_layers` layers and the DFlash fields."""
+    """The drafter's config: the target's layer shapes, `draft_layers` layers and the DFlash fields.
+
+    `arch="dflash2"` adds `dflash2` (conv_kernel_size, conv_group_size, selector_rank,
+    selector_top_k) to `dflash_config`.
+    """
     if isinstance(target_config, PretrainedConfig):
         target = target_config.get_text_config().to_dict()
     else:
@@ -66,6 +88,21 @@ def build_drafter_config(
         problems.append(
             f"mask_token_id {mask_token_id} is outside the target vocabulary [0, {target['vocab_size']})"
         )
+    extra: dict[str, int] = {}
+    if arch == "dflash2":
+        extra = {key: int((dflash2 or {}).get(key, 0)) for key in DFLASH2_FIELDS}
+        if min(extra.values()) < 1:
+            problems.append(f"arch dflash2 needs positive {', '.join(DFLASH2_FIELDS)}, got {dflash2}")
+        elif int(target["hidden_size"]) % extra["conv_group_size"]:
+            problems.append(
+                f"conv_group_size {extra['conv_group_size']} must divide hidden_size {target['hidden_size']}"
+            )
+        elif extra["selector_top_k"] > int(target["vocab_size"]):
+            problems.append(
+                f"selector_top_k {extra['selector_top_k']} exceeds vocab_size {target['vocab_size']}"
+            )
+    elif arch != "dflash":
+        problems.append(f"arch {arch!r} must be one of {sorted(ARCHITECTURES)}")
     if problems:
         raise ValueError("invalid drafter config: " + "; ".join(problems))
 
@@ -75,12 +112,13 @@ def build_drafter_config(
     return Qwen3Config(
         **fields,
         num_hidden_layers=draft_layers,
-        architectures=["DFlashDraftModel"],
+        architectures=[ARCHITECTURES[arch]],
         num_target_layers=num_target_layers,
         dflash_config={
             "target_layer_ids": [int(i) for i in target_layer_ids],
             "block_size": int(block_size),
             "mask_token_id": int(mask_token_id),
+            **extra,
         },
     )
 
@@ -137,7 +175,11 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
-    """A pre-norm Qwen3 decoder layer whose attention also reads the target context."""
+    """A pre-norm Qwen3 decoder layer whose attention also reads the target context.
+
+    DFlash 2 wraps each sublayer in a convolution over block positions: h + Conv_1(f(Conv_0(x))).
+    The context K/V are not convolved.
+    """
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
@@ -145,6 +187,12 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention_conv: GroupedDynamicConv | None = None
+        self.mlp_conv: GroupedDynamicConv | None = None
+        if drafter_arch(config) == "dflash2":
+            kernel, group = config.dflash_config["conv_kernel_size"], config.dflash_config["conv_group_size"]
+            self.attention_conv = GroupedDynamicConv(config.hidden_size, kernel, group)
+            self.mlp_conv = GroupedDynamicConv(config.hidden_size, kernel, group)
 
     def forward(
         self,
@@ -153,17 +201,27 @@ class DFlashDecoderLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: AttentionMask,
+        position_in_block: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), context, cos, sin, mask
+        normed = self.input_layernorm(hidden_states)
+        if self.attention_conv is None:
+            hidden_states = hidden_states + self.self_attn(normed, context, cos, sin, mask)
+            return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        convolved, after = self.attention_conv.prepare(normed, position_in_block)
+        attended = self.self_attn(convolved, context, cos, sin, mask)
+        hidden_states = hidden_states + self.attention_conv.finish(attended, after, position_in_block)
+        convolved, after = self.mlp_conv.prepare(
+            self.post_attention_layernorm(hidden_states), position_in_block
         )
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states + self.mlp_conv.finish(self.mlp(convolved), after, position_in_block)
 
 
 class DFlashDrafter(nn.Module):
     """DFlash draft layers over target features; state dict keys equal `DFlashDraftModel`'s.
 
     The token embedding and LM head belong to the frozen target and live outside this module.
+    A DFlash 2 config adds the convolutions and `candidate_selector` (keys of `DFlash2DraftModel`);
+    the selector runs on the head's logits outside `forward` (the loss and the decoding loop).
     """
 
     def __init__(self, config: Qwen3Config, seed: int = 0, gradient_checkpointing: bool = False) -> None:
@@ -179,6 +237,15 @@ class DFlashDrafter(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.arch = drafter_arch(config)
+        self.candidate_selector: CandidateSelector | None = None
+        if self.arch == "dflash2":
+            self.candidate_selector = CandidateSelector(
+                config.hidden_size,
+                config.vocab_size,
+                int(dflash["selector_rank"]),
+                int(dflash["selector_top_k"]),
+            )
         self.init_weights(torch.Generator().manual_seed(seed))
 
     @torch.no_grad()
@@ -186,10 +253,21 @@ class DFlashDrafter(nn.Module):
         """HF Qwen3 init (normal(0, initializer_range) linears, zero biases, unit norms) from `generator`.
 
         Parameters are drawn in module order from one CPU generator, so every drafter rank that passes
-        the same seed starts from identical weights regardless of its device.
+        the same seed starts from identical weights regardless of its device. The DFlash 2 modules
+        draw nothing until the DFlash weights are done, so one seed gives a DFlash and a DFlash 2
+        drafter the same DFlash weights; the convolutions start as the identity and the selector
+        as a no-op, so at step 0 both compute the same thing.
         """
         std = self.config.initializer_range
+        added = {
+            id(inner)
+            for module in self.modules()
+            if isinstance(module, (GroupedDynamicConv, CandidateSelector))
+            for inner in module.modules()
+        }
         for module in self.modules():
+            if id(module) in added:
+                continue
             if isinstance(module, nn.Linear):
                 weight = torch.empty(module.weight.shape, dtype=torch.float32)
                 module.weight.copy_(weight.normal_(0.0, std, generator=generator))
@@ -197,6 +275,11 @@ class DFlashDrafter(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, Qwen3RMSNorm):
                 module.weight.fill_(1.0)
+        for module in self.modules():
+            if isinstance(module, GroupedDynamicConv):
+                module.reset_to_identity()
+        if self.candidate_selector is not None:
+            self.candidate_selector.init_weights(std, generator)
 
     def compile_layers(self, **compile_options: Any) -> None:
         """torch.compile each decoder layer ("regional compilation").
@@ -229,9 +312,16 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary_emb(block_embeddings, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
         hidden_states = block_embeddings
+        # Blocks lie back to back (training) or alone (decoding): row q is at index q % Bs of its block.
+        position_in_block = None
+        if self.arch == "dflash2":
+            position_in_block = torch.arange(block_embeddings.shape[1], device=block_embeddings.device)
+            position_in_block = position_in_block % self.block_size
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
-                hidden_states = checkpoint(layer, hidden_states, context, cos, sin, mask, use_reentrant=False)
+                hidden_states = checkpoint(
+                    layer, hidden_states, context, cos, sin, mask, position_in_block, use_reentrant=False
+                )
             else:
-                hidden_states = layer(hidden_states, context, cos, sin, mask)
+                hidden_states = layer(hidden_states, context, cos, sin, mask, position_in_block)
         return self.norm(hidden_states)

@@ -1,0 +1,277 @@
+"""Block speculative decoding with a DFlash (or DFlash 2) drafter and the full target, batch 1.
+
+One decoding round, after the target has accepted everything up to position p:
+the drafter gets the block `[token at p, MASK x (B-1)]` at positions p..p+B-1 and the target's
+features of all positions < p, and proposes B-1 tokens; the target scores the whole block in one
+forward over its KV cache; the longest prefix of proposals the target agrees with is accepted,
+plus one token of the target's own (the bonus). Greedy verification compares with the target's
+argmax, so the output is exactly the target's greedy decoding; with temperature > 0, rejection
+sampling keeps the output distributed as the target's. The accounting (acceptance length = tokens
+produced per verify forward, bonus included, cut at the length limit and at a stop token) is the
+reference `dflash.model.dflash_generate`'s, so tau here is the number the DFlash paper reports.
+
+A DFlash 2 drafter proposes through its candidate selector, as the reference's `propose` does:
+from the anchor, each block position picks among the target head's top-K logits given the
+previous pick (argmax, or a sample from q = softmax(scores / T) over the K candidates); rejection
+sampling then reads q as a distribution over the vocabulary, zero outside the candidates.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_mp.models.drafter import DFlashDrafter
+
+
+@dataclass
+class Generation:
+    """One prompt's decoding."""
+
+    new_tokens: list[int]
+    seconds: float
+    target_forwards: int  # the prefill included
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens produced per verify forward
+    drafted: list[int] = field(default_factory=list)  # [B-1]: rounds that proposed block index k+1
+    accepted: list[int] = field(default_factory=list)  # [B-1]: rounds that accepted block index k+1
+
+
+# ----------------------------------------------------------------------------------------
+# decoding
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _new_cache(target: nn.Module) -> Any:
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    # Sliding-window layers drop old entries unless told that the cache will be rolled back.
+    cache.activate_past_recording()
+    return cache
+
+
+@functools.cache
+def _cache_keyword(model_type: type) -> str:
+    # transformers 5 renamed past_key_values to cache; the old name is gone from 5.40 on.
+    return "cache" if "cache" in inspect.signature(model_type.forward).parameters else "past_key_values"
+
+
+def _crop(cache: Any, length: int) -> None:
+    cache.crop(length - cache.get_seq_length())  # crop() takes minus the number of tokens to drop
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Next tokens [N] from logits [N, V]: argmax, or a sample at `temperature`."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    return torch.multinomial(_probs(logits, temperature), 1, generator=generator)[:, 0]
+
+
+def _rejection_sample(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """(accepted proposals, next token) of speculative sampling (Leviathan et al. 2023, Alg. 1).
+
+    Proposal k is kept with probability min(1, p_k / q_k); at the first rejection the next token is
+    drawn from normalize(max(0, p - q)), and after all B-1 acceptances from the target's last row,
+    which makes every emitted token distributed exactly as the target's own sample.
+    """
+    rows = torch.arange(draft_tokens.numel(), device=draft_tokens.device)
+    p = target_probs[rows, draft_tokens]
+    q = draft_probs[rows, draft_tokens]
+    uniform = torch.rand(q.shape, generator=generator, device=q.device)
+    accepted = int((uniform * q < p).int().cumprod(0).sum())
+    if accepted == draft_tokens.numel():
+        residual = target_probs[accepted]
+    else:
+        residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0)
+        if residual.sum() <= 0:  # p == q: the rejection had probability 0; fall back to p
+            residual = target_probs[accepted]
+    return accepted, int(torch.multinomial(residual, 1, generator=generator))
+
+
+def _target_step(
+    target: nn.Module,
+    token_ids: list[int],
+    start: int,
+    cache: Any,
+    layer_ids: list[int] | None,
+    logits_to_keep: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Target forward of `token_ids` at positions start.. over the cache: (logits [T, V], features [T, K*H])."""
+    device = target.get_input_embeddings().weight.device
+    input_ids = torch.tensor([token_ids], device=device)
+    positions = torch.arange(start, start + len(token_ids), device=device)[None]
+    output = target(
+        input_ids=input_ids,
+        position_ids=positions,
+        **{_cache_keyword(type(target)): cache},
+        use_cache=True,
+        output_hidden_states=layer_ids is not None,
+        logits_to_keep=logits_to_keep,
+    )
+    if layer_ids is None:
+        return output.logits[0], None
+    # hidden_states[0] is the embedding output, so target layer i is entry i + 1 (DESIGN.md §3).
+    features = torch.cat([output.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return output.logits[0], features[0]
+
+
+def _propose(
+    drafter: DFlashDrafter,
+    target: nn.Module,
+    context_features: torch.Tensor,
+    first_token: int,
+    start: int,
+    size: int,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[list[int], torch.Tensor | None]:
+    """The drafter's `size - 1` proposals for block [first_token, MASK...] at positions start..; and
+    their sampling distributions [size-1, V] when temperature > 0 (a DFlash 2 drafter's: q over its
+    K candidates, zero elsewhere)."""
+    device = context_features.device
+    param = next(drafter.parameters())
+    block_ids = torch.full((1, size), drafter.mask_token_id, device=device)
+    block_ids[0, 0] = first_token
+    embed_weight = target.get_input_embeddings().weight
+    head = target.get_output_embeddings()
+    context_len = context_features.shape[0]
+    # Eager even when the layers are compiled for training: a new context length every call would
+    # otherwise recompile them, and fill the compile cache that training shapes need.
+    with torch.compiler.set_stance("force_eager"):
+        hidden = drafter(
+            context_features[None].to(param.dtype),
+            F.embedding(block_ids, embed_weight).to(param.dtype),
+            torch.arange(context_len, device=device)[None],
+            torch.arange(start, start + size, device=device)[None],
+            # One block that sees all context before it and itself: everything.
+            torch.ones(1, 1, size, context_len + size, dtype=torch.bool, device=device),
+        )
+    # Output at block index k guesses the token at start + k; index 0 is the known token.
+    logits = head(hidden[0, 1:].to(head.weight.dtype))
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is not None:
+        anchor = torch.tensor([first_token], device=device)
+        tokens, candidates, q = selector.walk(hidden[:, 1:], logits[None], anchor, temperature, generator)
+        draft_probs = None
+        if q is not None:
+            draft_probs = torch.zeros_like(logits, dtype=torch.float32).scatter_add_(-1, candidates[0], q[0])
+        return tokens[0].tolist(), draft_probs
+    proposals = _pick(logits, temperature, generator).tolist()
+    return proposals, (_probs(logits, temperature) if temperature > 0 else None)
+
+
+@torch.inference_mode()
+def speculative_generate(
+    drafter: DFlashDrafter,
+    target: nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Block speculative decoding of one prompt (batch 1) with the drafter proposing every block."""
+    block_size, layer_ids = drafter.block_size, drafter.target_layer_ids
+    device = target.get_input_embeddings().weight.device
+    stop = set(stop_token_ids)
+    max_length = len(prompt_ids) + max_new_tokens
+    drafted, accepted_at = [0] * (block_size - 1), [0] * (block_size - 1)
+    acceptance_lengths = []
+    _synchronize(device)
+    began = time.perf_counter()
+
+    cache = _new_cache(target)
+    logits, context_features = _target_step(target, prompt_ids, 0, cache, layer_ids, logits_to_keep=1)
+    tokens = list(prompt_ids) + _pick(logits[-1:], temperature, generator).tolist()
+    # tokens[start] is the newest token: produced, but not yet run through the target.
+    start = len(prompt_ids)
+    stopped = tokens[start] in stop
+    while start + 1 < max_length and not stopped:
+        size = min(block_size, max_length - start)
+        proposals, draft_probs = [], None
+        if size > 1:
+            proposals, draft_probs = _propose(
+                drafter, target, context_features, tokens[start], start, size, temperature, generator
+            )
+        block = [tokens[start], *proposals]
+        logits, block_features = _target_step(target, block, start, cache, layer_ids)
+        if temperature <= 0:
+            agrees = torch.tensor(proposals, device=device) == logits[:-1].argmax(-1)
+            accepted = int(agrees.int().cumprod(0).sum())
+            next_token = int(logits[accepted].argmax())
+        elif proposals:
+            accepted, next_token = _rejection_sample(
+                torch.tensor(proposals, device=device), draft_probs, _probs(logits, temperature), generator
+            )
+        else:
+            accepted, next_token = 0, int(_pick(logits[-1:], temperature, generator))
+        for k in range(len(proposals)):
+            drafted[k] += 1
+            accepted_at[k] += k < accepted
+        new = [*proposals[:accepted], next_token]
+        produced = min(len(new), max_length - start - 1)
+        stop_at = next((i for i, token in enumerate(new[:produced]) if token in stop), None)
+        if stop_at is not None:
+            produced, stopped = stop_at + 1, True
+        tokens = tokens[: start + 1] + new[:produced]
+        # The target's features of the block are valid up to the last token it agreed with.
+        context_features = torch.cat([context_features, block_features[:produced]])
+        start += produced
+        _crop(cache, start)
+        acceptance_lengths.append(produced)
+    _synchronize(device)
+    return Generation(
+        new_tokens=tokens[len(prompt_ids) :],
+        seconds=time.perf_counter() - began,
+        target_forwards=1 + len(acceptance_lengths),
+        acceptance_lengths=acceptance_lengths,
+        drafted=drafted,
+        accepted=accepted_at,
+    )
+
+
+@torch.inference_mode()
+def autoregressive_generate(
+    target: nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> Generation:
+    """Plain decoding with the target, one token per forward over a KV cache: the baseline."""
+    device = target.get_input_embeddings().weight.device
+    stop = set(stop_token_ids)
+    _synchronize(device)
+    began = time.perf_counter()
+    cache = _new_cache(target)
+    logits, _ = _target_step(target, prompt_ids, 0, cache, None, logits_to_keep=1)
+    new_tokens = _pick(logits[-1:], temperature, generator).tolist()
+    while len(new_tokens) < max_new_tokens and new_tokens[-1] not in stop:
+        logits, _ = _target_step(target, new_tokens[-1:], len(prompt_ids) + len(new_tokens) - 1, cache, None)
+        new_tokens += _pick(logits[-1:], temperature, generator).tolist()
+    _synchronize(device)
+    return Generation(
+        new_tokens=new_tokens, seconds=time.perf_counter() - began, target_forwards=len(new_tokens)
+    )

@@ -1,0 +1,320 @@
+"""Acceptance length of a drafter on held-out prompts: prompts, checks, the evaluation, and the
+evaluator that training calls every eval.every steps (`dflash_mp.decoding` runs the decoding)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_mp.decoding import autoregressive_generate, speculative_generate
+from dflash_mp.models.drafter import DFlashDrafter
+
+
+class EvalError(ValueError):
+    """Input the evaluation cannot run on; the message names the file or setting and the fix."""
+
+
+@dataclass
+class Prompt:
+    """A tokenized prompt and where it came from (file:line), for error messages."""
+
+    source: str
+    input_ids: list[int]
+
+
+# ----------------------------------------------------------------------------------------
+# prompts
+
+
+def chat_messages(record: Any) -> list[dict[str, str]]:
+    """The role/content pairs of a chat record {"messages": [...]}; ValueError says what is wrong."""
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(
+            'expected {"messages": [{"role": ..., "content": ...}, ...]} with at least one message'
+        )
+    for i, message in enumerate(messages):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise ValueError(f'message {i} must be an object with string "role" and "content"')
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def prompt_messages(record: Any) -> list[dict[str, str]]:
+    """The messages of a chat record before its first assistant turn; they must end with a user turn."""
+    messages = chat_messages(record)
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    prompt = messages[: replies[0]] if replies else messages
+    if not prompt or prompt[-1]["role"] != "user":
+        raise ValueError("the messages before the first assistant turn must end with a user turn")
+    return prompt
+
+
+def load_prompts(paths: Sequence[str | Path], tokenizer: Any, limit: int | None = None) -> list[Prompt]:
+    """The first `limit` prompts of chat JSONL files, rendered with the generation prompt.
+
+    A record's prompt is its messages before the first assistant turn (all of them for a
+    prompt-only record), so training files and held-out conversations both serve as prompts.
+    """
+    if not paths:
+        raise EvalError("no prompt files given: pass --prompts FILE.jsonl (or set data.eval_files)")
+    prompts: list[Prompt] = []
+    for path in paths:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except OSError as e:
+            raise EvalError(f"{path}: cannot read the prompt file ({e.strerror})") from None
+        for line_number, line in enumerate(lines, start=1):
+            if limit is not None and len(prompts) >= limit:
+                return prompts
+            if not line.strip():
+                continue
+            source = f"{path}:{line_number}"
+            try:
+                messages = prompt_messages(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise EvalError(f"{source}: malformed JSON ({e.msg} at column {e.colno})") from None
+            except ValueError as e:
+                raise EvalError(f"{source}: {e}") from None
+            input_ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+            prompts.append(Prompt(source=source, input_ids=list(input_ids)))
+    if not prompts:
+        raise EvalError(
+            f"no prompts in {', '.join(map(str, paths))}: every file is empty or blank. Give JSONL "
+            'files with one {"messages": [{"role": "user", "content": ...}, ...]} record per line.'
+        )
+    return prompts
+
+
+def load_eval_prompts(cfg: Any, tokenizer: Any) -> list[Prompt]:
+    """The held-out prompts for evaluation during training: cfg.eval.num_prompts of cfg.data.eval_files
+    (the embedded eval set when none are configured)."""
+    from dflash_mp.embedded import embedded_path
+
+    files = list(cfg.data.eval_files) or [embedded_path("data/eval.jsonl")]
+    return load_prompts(files, tokenizer, limit=cfg.eval.num_prompts)
+
+
+# ----------------------------------------------------------------------------------------
+# checks
+
+
+def check_drafter_fits(drafter: DFlashDrafter, target_config: Any) -> None:
+    """Raise EvalError unless the drafter reads this target (its layers, width and vocabulary)."""
+    text_config = target_config.get_text_config()
+    num_layers, hidden, vocab = text_config.num_hidden_layers, text_config.hidden_size, text_config.vocab_size
+    problems = []
+    bad_ids = [i for i in drafter.target_layer_ids if not 0 <= i < num_layers]
+    if bad_ids:
+        problems.append(
+            f"its target_layer_ids {drafter.target_layer_ids} include {bad_ids}, outside this target's "
+            f"layers [0, {num_layers - 1}]"
+        )
+    trained_for = getattr(drafter.config, "num_target_layers", num_layers)
+    if trained_for != num_layers:
+        problems.append(f"it was built for a target with {trained_for} layers, this one has {num_layers}")
+    if drafter.config.hidden_size != hidden:
+        problems.append(f"its hidden_size is {drafter.config.hidden_size}, the target's is {hidden}")
+    if not 0 <= drafter.mask_token_id < vocab:
+        problems.append(
+            f"its mask_token_id {drafter.mask_token_id} is outside the target vocabulary [0, {vocab})"
+        )
+    if getattr(drafter, "arch", "dflash") == "dflash2" and drafter.config.vocab_size != vocab:
+        problems.append(
+            f"its selector codebooks cover {drafter.config.vocab_size} token ids, the target's vocabulary "
+            f"has {vocab} (DFlash 2 needs the full target vocabulary)"
+        )
+    if problems:
+        raise EvalError(
+            "the drafter does not fit the target: "
+            + "; ".join(problems)
+            + ". Evaluate it with the target it was trained for."
+        )
+
+
+def _check_lengths(prompts: Sequence[Prompt], max_new_tokens: int, context: int | None) -> None:
+    if max_new_tokens < 1:
+        raise EvalError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+    if not prompts:
+        raise EvalError("no prompts to evaluate")
+    if context is None:
+        return
+    too_long = [p for p in prompts if len(p.input_ids) + max_new_tokens > context]
+    if too_long:
+        worst = max(too_long, key=lambda p: len(p.input_ids))
+        raise EvalError(
+            f"{len(too_long)} prompt(s) do not fit the target's context of {context} positions with "
+            f"max_new_tokens={max_new_tokens}, e.g. {worst.source} ({len(worst.input_ids)} prompt tokens): "
+            "lower max_new_tokens or drop the long prompts"
+        )
+
+
+# ----------------------------------------------------------------------------------------
+# evaluation
+
+
+def stop_token_ids(tokenizer: Any, target: nn.Module) -> list[int]:
+    """End-of-turn tokens: the tokenizer's eos and the target's generation_config eos ids."""
+    ids = {tokenizer.eos_token_id}
+    generation_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def evaluate_acceptance(
+    drafter: DFlashDrafter,
+    target_model: nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    baseline: bool = False,
+    per_prompt: bool = False,
+) -> dict[str, Any]:
+    """Speculative decoding of every prompt; returns tau and friends as plain JSON-able numbers.
+
+    tau is the mean acceptance length (tokens per verify forward, bonus included, as in the DFlash
+    paper); acceptance_rate[k-1] the fraction of rounds whose block index k was accepted.
+    `baseline` also decodes every prompt autoregressively for the speedup (and, greedy, checks that
+    both outputs are identical). The drafter is put in eval mode for the call and restored after.
+    """
+    check_drafter_fits(drafter, target_model.config)
+    context = getattr(target_model.config.get_text_config(), "max_position_embeddings", None)
+    _check_lengths(prompts, max_new_tokens, context)
+    stops = stop_token_ids(tokenizer, target_model)
+    device = target_model.get_input_embeddings().weight.device
+    # One generator per evaluation: the same seed gives the same samples on every call.
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        runs = [
+            speculative_generate(
+                drafter, target_model, p.input_ids, max_new_tokens, stops, temperature, generator
+            )
+            for p in prompts
+        ]
+    finally:
+        drafter.train(was_training)
+    lengths = [n for run in runs for n in run.acceptance_lengths]
+    drafted = [sum(column) for column in zip(*(run.drafted for run in runs), strict=True)]
+    accepted = [sum(column) for column in zip(*(run.accepted for run in runs), strict=True)]
+    new_tokens = sum(len(run.new_tokens) for run in runs)
+    seconds = sum(run.seconds for run in runs)
+    result: dict[str, Any] = {
+        "tau": statistics.fmean(lengths) if lengths else 0.0,
+        "acceptance_rate": [a / d if d else 0.0 for a, d in zip(accepted, drafted, strict=True)],
+        "acceptance_length_counts": [lengths.count(n) for n in range(1, drafter.block_size + 1)],
+        "tokens_per_target_forward": new_tokens / sum(run.target_forwards for run in runs),
+        "tokens_per_s": new_tokens / seconds,
+        "num_prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "block_size": drafter.block_size,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+    }
+    if baseline:
+        generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+        plain = [
+            autoregressive_generate(target_model, p.input_ids, max_new_tokens, stops, temperature, generator)
+            for p in prompts
+        ]
+        plain_tokens_per_s = sum(len(run.new_tokens) for run in plain) / sum(run.seconds for run in plain)
+        result["autoregressive_tokens_per_s"] = plain_tokens_per_s
+        result["speedup"] = result["tokens_per_s"] / plain_tokens_per_s
+        if temperature <= 0:
+            result["matches_autoregressive"] = all(
+                s.new_tokens == a.new_tokens for s, a in zip(runs, plain, strict=True)
+            )
+    if per_prompt:
+        result["prompts"] = [
+            {
+                "source": p.source,
+                "prompt_tokens": len(p.input_ids),
+                "new_tokens": run.new_tokens,
+                "acceptance_lengths": run.acceptance_lengths,
+            }
+            for p, run in zip(prompts, runs, strict=True)
+        ]
+    return result
+
+
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """Command-line "auto" choices: this process's GPU (LOCAL_RANK under torchrun) in bf16, else CPU fp32."""
+    if device == "auto":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    torch_device = torch.device(device)
+    auto = torch.bfloat16 if torch_device.type == "cuda" else torch.float32
+    return torch_device, {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype, auto)
+
+
+def load_target_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device | str, trust_remote_code: bool = False
+) -> nn.Module:
+    """The whole target (with its LM head) for decoding, from the local directory only."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
+    )
+    return model.to(device).eval().requires_grad_(False)
+
+
+class AcceptanceEvaluator:
+    """`evaluate_acceptance` during training: the full target, its tokenizer and cfg.eval.num_prompts
+    held-out prompts loaded once, in the training precision, and checked before the first step.
+
+    The whole target (LM head included) lives on the evaluating rank, so enable eval.every only
+    where the target fits beside the drafter.
+    """
+
+    def __init__(self, cfg: Any, device: torch.device) -> None:
+        from dflash_mp.data import load_tokenizer
+        from dflash_mp.trainer import resolve_precision
+
+        dtype, _, _ = resolve_precision(cfg, device)
+        trust_remote_code = cfg.model.trust_remote_code
+        self.tokenizer = load_tokenizer(cfg.model.target_path, trust_remote_code=trust_remote_code)
+        self.target = load_target_model(cfg.model.target_path, dtype, device, trust_remote_code)
+        self.prompts = load_eval_prompts(cfg, self.tokenizer)
+        self.max_new_tokens = cfg.eval.max_new_tokens
+        context = getattr(self.target.config.get_text_config(), "max_position_embeddings", None)
+        _check_lengths(self.prompts, self.max_new_tokens, context)
+
+    def __call__(self, drafter: DFlashDrafter) -> dict[str, Any]:
+        """tau and friends of `drafter` (the bare module, not its DDP wrapper) on the held-out prompts."""
+        return evaluate_acceptance(drafter, self.target, self.tokenizer, self.prompts, self.max_new_tokens)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The result as a few readable lines for the console."""
+    lines = [
+        f"prompts {result['num_prompts']}, new tokens {result['new_tokens']}, block size {result['block_size']}, "
+        f"temperature {result['temperature']}",
+        f"  tau (mean acceptance length)   {result['tau']:.3f}",
+        f"  tokens per target forward      {result['tokens_per_target_forward']:.3f}",
+        f"  speculative tokens/s           {result['tokens_per_s']:.1f}",
+    ]
+    if "autoregressive_tokens_per_s" in result:
+        lines.append(f"  autoregressive tokens/s        {result['autoregressive_tokens_per_s']:.1f}")
+        lines.append(f"  speedup                        {result['speedup']:.2f}x")
+    if "matches_autoregressive" in result:
+        lines.append(f"  same output as greedy          {result['matches_autoregressive']}")
+    lines.append("  block index   acceptance rate")
+    lines += [f"  {k:>11}   {rate:.3f}" for k, rate in enumerate(result["acceptance_rate"], start=1)]
+    return "\n".join(lines)
