@@ -237,7 +237,7 @@ def resolved_target_layer_ids(cfg: DictConfig | RootConfig, num_target_layers: i
     return list(ids)
 
 
-def _is_embedded_target(target_path: str) -> bool:
+def is_embedded_target(target_path: str) -> bool:
     return Path(target_path).resolve() == target_dir().resolve()
 
 
@@ -325,7 +325,7 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
 
     _at_least(problems, "watchdog.timeout_s", cfg.watchdog.timeout_s, 0.0, " (0 disables)")
     _at_least(problems, "eval.every", cfg.eval.every, 0, " (0 disables)")
-    if cfg.eval.every and not cfg.data.eval_files and not _is_embedded_target(str(m.target_path)):
+    if cfg.eval.every and not cfg.data.eval_files and not is_embedded_target(str(m.target_path)):
         # The embedded toy prompts say nothing about a real target's acceptance length.
         problems.append(
             f"eval.every={cfg.eval.every} measures tau on held-out prompts, but data.eval_files is empty: "

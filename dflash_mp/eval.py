@@ -31,6 +31,7 @@ from dflash_mp.evaluation import (  # noqa: F401
     check_drafter_fits,
     evaluate_acceptance,
     format_table,
+    held_out_prompt_files,
     load_eval_prompts,
     load_prompts,
     load_target_model,
@@ -96,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from omegaconf import OmegaConf
 
-    from dflash_mp.data import load_tokenizer
+    from dflash_mp.data import load_renderer
     from dflash_mp.embedded import embedded_path
 
     try:
@@ -105,13 +106,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         target_path = args.target or (
             run_cfg.model.target_path if run_cfg is not None else str(embedded_path("target"))
         )
-        prompt_files = args.prompts or (list(run_cfg.data.eval_files) if run_cfg is not None else [])
-        prompt_files = prompt_files or [str(embedded_path("data/eval.jsonl"))]
+        run_data = run_cfg.data if run_cfg is not None else {}
+        prompt_files = held_out_prompt_files(args.prompts or run_data.get("eval_files", []), target_path)
         trust_remote_code = args.trust_remote_code or bool(run_cfg and run_cfg.model.trust_remote_code)
         device, dtype = resolve_device(args.device, args.dtype)
-        tokenizer = load_tokenizer(target_path, trust_remote_code=trust_remote_code)
+        # The run's chat template and its kwargs (e.g. enable_thinking), as training rendered its data.
+        renderer = load_renderer(
+            target_path,
+            trust_remote_code,
+            run_data.get("chat_template", ""),
+            run_data.get("chat_template_kwargs", {}),
+        )
+        tokenizer = renderer.tokenizer
         target = load_target_model(target_path, dtype, device, trust_remote_code)
-        prompts = load_prompts(prompt_files, tokenizer, limit=args.num_prompts)
+        prompts = load_prompts(prompt_files, tokenizer, limit=args.num_prompts, renderer=renderer)
         # The drafter runs in the target's dtype, as an inference engine loads it.
         drafter = drafter.to(device=device, dtype=dtype)
         result = evaluate_acceptance(

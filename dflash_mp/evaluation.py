@@ -35,20 +35,11 @@ class Prompt:
 
 
 def chat_messages(record: Any) -> list[dict[str, str]]:
-    """The role/content pairs of a chat record {"messages": [...]}; ValueError says what is wrong."""
-    messages = record.get("messages") if isinstance(record, dict) else None
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(
-            'expected {"messages": [{"role": ..., "content": ...}, ...]} with at least one message'
-        )
-    for i, message in enumerate(messages):
-        if not (
-            isinstance(message, dict)
-            and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
-        ):
-            raise ValueError(f'message {i} must be an object with string "role" and "content"')
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    """The role/content pairs of a chat record in any accepted conversation format
+    (dflash_mp.data.records); ValueError says what is wrong."""
+    from dflash_mp.data.records import chat_turns
+
+    return [{"role": m["role"], "content": m["content"]} for m in chat_turns(record)]
 
 
 def prompt_messages(record: Any) -> list[dict[str, str]]:
@@ -61,12 +52,19 @@ def prompt_messages(record: Any) -> list[dict[str, str]]:
     return prompt
 
 
-def load_prompts(paths: Sequence[str | Path], tokenizer: Any, limit: int | None = None) -> list[Prompt]:
+def load_prompts(
+    paths: Sequence[str | Path], tokenizer: Any, limit: int | None = None, renderer: Any = None
+) -> list[Prompt]:
     """The first `limit` prompts of chat JSONL files, rendered with the generation prompt.
 
     A record's prompt is its messages before the first assistant turn (all of them for a
     prompt-only record), so training files and held-out conversations both serve as prompts.
+    `renderer` (a dflash_mp.data.ChatRenderer) applies the run's data.chat_template and its
+    kwargs, so prompts are rendered the way training rendered conversations.
     """
+    from dflash_mp.data import ChatRenderer
+
+    renderer = renderer or ChatRenderer(tokenizer)
     if not paths:
         raise EvalError("no prompt files given: pass --prompts FILE.jsonl (or set data.eval_files)")
     prompts: list[Prompt] = []
@@ -87,9 +85,8 @@ def load_prompts(paths: Sequence[str | Path], tokenizer: Any, limit: int | None 
                 raise EvalError(f"{source}: malformed JSON ({e.msg} at column {e.colno})") from None
             except ValueError as e:
                 raise EvalError(f"{source}: {e}") from None
-            input_ids = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
+            text = renderer.apply(messages, generation_prompt=True)
+            input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             prompts.append(Prompt(source=source, input_ids=list(input_ids)))
     if not prompts:
         raise EvalError(
@@ -99,13 +96,32 @@ def load_prompts(paths: Sequence[str | Path], tokenizer: Any, limit: int | None 
     return prompts
 
 
-def load_eval_prompts(cfg: Any, tokenizer: Any) -> list[Prompt]:
-    """The held-out prompts for evaluation during training: cfg.eval.num_prompts of cfg.data.eval_files
-    (the embedded eval set when none are configured)."""
+def held_out_prompt_files(eval_files: Sequence[str], target_path: str) -> list[str]:
+    """`eval_files`, or the embedded eval set for the embedded target; a real target without
+    held-out prompts is an error (toy prompts say nothing of its acceptance length)."""
+    from dflash_mp.config import is_embedded_target
     from dflash_mp.embedded import embedded_path
 
-    files = list(cfg.data.eval_files) or [embedded_path("data/eval.jsonl")]
-    return load_prompts(files, tokenizer, limit=cfg.eval.num_prompts)
+    if eval_files:
+        return list(eval_files)
+    if not is_embedded_target(target_path):
+        raise EvalError(
+            f"no held-out prompts for the target at {target_path}: set data.eval_files=[FILE.jsonl] "
+            "(or pass --prompts FILE.jsonl); the embedded toy prompts only fit the embedded target"
+        )
+    return [str(embedded_path("data/eval.jsonl"))]
+
+
+def load_eval_prompts(cfg: Any, tokenizer: Any) -> list[Prompt]:
+    """The held-out prompts for evaluation during training: cfg.eval.num_prompts of cfg.data.eval_files
+    (the embedded eval set for the embedded target), rendered with the run's chat template."""
+    from dflash_mp.data import ChatRenderer, read_chat_template
+
+    files = held_out_prompt_files(cfg.data.eval_files, cfg.model.target_path)
+    renderer = ChatRenderer(
+        tokenizer, read_chat_template(cfg.data.chat_template), dict(cfg.data.chat_template_kwargs)
+    )
+    return load_prompts(files, tokenizer, limit=cfg.eval.num_prompts, renderer=renderer)
 
 
 # ----------------------------------------------------------------------------------------
@@ -289,7 +305,9 @@ class AcceptanceEvaluator:
 
         dtype, _, _ = resolve_precision(cfg, device)
         trust_remote_code = cfg.model.trust_remote_code
-        self.tokenizer = load_tokenizer(cfg.model.target_path, trust_remote_code=trust_remote_code)
+        self.tokenizer = load_tokenizer(
+            cfg.model.target_path, trust_remote_code, require_chat_template=not cfg.data.chat_template
+        )
         self.target = load_target_model(cfg.model.target_path, dtype, device, trust_remote_code)
         self.prompts = load_eval_prompts(cfg, self.tokenizer)
         self.max_new_tokens = cfg.eval.max_new_tokens

@@ -9,6 +9,7 @@ preflight a sample of the data read the way training reads it, before any worker
 
 from dflash_mp.data.chat import (
     ChatRenderer,
+    load_renderer,
     load_tokenizer,
     read_chat_template,
     tokenize_chat,
@@ -38,6 +39,7 @@ __all__ = [
     "MIN_RECORDS_TO_JUDGE",
     "BadRecord",
     "ChatRenderer",
+    "load_renderer",
     "Conversation",
     "DataError",
     "DataOrder",

@@ -76,22 +76,40 @@ def parse_json(text: str) -> Any:
 
 def to_record(obj: Any) -> Conversation | TextRecord:
     """The record in one of the accepted formats, or RecordError saying what is wrong."""
-    if not isinstance(obj, dict):
+    if "messages" in obj or "conversations" in obj:
+        return Conversation(_with_assistant(chat_turns(obj)))
+    if "text" in obj:
+        return _text_record(obj)
+    raise _unknown_format(obj)
+
+
+def chat_turns(obj: Any) -> list[dict[str, Any]]:
+    """The messages of a record in one of the conversation formats, assistant turn or not
+    (evaluation and regeneration read prompt-only records); RecordError says what is wrong."""
+    if isinstance(obj, dict) and "messages" in obj:
+        return _role_messages(obj["messages"], "messages")
+    if isinstance(obj, dict) and "conversations" in obj:
+        turns = obj["conversations"]
+        if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" in turns[0]:
+            return _sharegpt_messages(turns)
+        return _role_messages(turns, "conversations")
+    if isinstance(obj, dict) and "text" in obj:
         raise RecordError(
+            "unknown format", 'a pre-rendered {"text": ...} record has no turns; give a conversation'
+        )
+    raise _unknown_format(obj)
+
+
+def _unknown_format(obj: Any) -> RecordError:
+    if not isinstance(obj, dict):
+        return RecordError(
             "unknown format",
             f"a record must be a JSON object, got {type(obj).__name__}; accepted: {ACCEPTED_FORMATS}",
         )
-    if "messages" in obj:
-        return Conversation(_role_messages(obj["messages"], "messages"))
-    if "conversations" in obj:
-        turns = obj["conversations"]
-        if isinstance(turns, list) and turns and isinstance(turns[0], dict) and "from" in turns[0]:
-            return Conversation(_sharegpt_messages(turns))
-        return Conversation(_role_messages(turns, "conversations"))
-    if "text" in obj:
-        return _text_record(obj)
     keys = ", ".join(sorted(map(str, obj))[:10]) or "none"
-    raise RecordError("unknown format", f"unknown record format (keys: {keys}); accepted: {ACCEPTED_FORMATS}")
+    return RecordError(
+        "unknown format", f"unknown record format (keys: {keys}); accepted: {ACCEPTED_FORMATS}"
+    )
 
 
 def _check_list(turns: Any, key: str) -> list:
@@ -121,7 +139,7 @@ def _role_messages(turns: Any, key: str) -> list[dict[str, Any]]:
         if reasoning is not None and not isinstance(reasoning, str):
             raise RecordError("bad conversation", f'message {i}: "reasoning_content" must be a string')
         messages.append(dict(message))
-    return _with_assistant(messages)
+    return messages
 
 
 def _sharegpt_messages(turns: list) -> list[dict[str, Any]]:
@@ -138,7 +156,7 @@ def _sharegpt_messages(turns: list) -> list[dict[str, Any]]:
                 f'ShareGPT turn {i}: unknown "from" {turn.get("from")!r} (expected human, gpt or system)',
             )
         messages.append({"role": role, "content": turn["value"]})
-    return _with_assistant(messages)
+    return messages
 
 
 def _with_assistant(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
