@@ -6,10 +6,13 @@ import json
 import unicodedata
 from pathlib import Path
 
+import pytest
 import torch
+from omegaconf import OmegaConf
 
 from dflash_mp.data import load_tokenizer, tokenize_chat
 from dflash_mp.models.target import TargetFeatureExtractor, load_embedding_and_head
+from tests.conftest import run_train
 from tests.stock_qwen3 import QWEN3_ADDED_TOKENS, qwen_reference_encoding
 
 TEXTS = [
@@ -73,3 +76,44 @@ def test_embedding_head_and_feature_extractor_load_the_full_vocabulary(stock_qwe
     extractor = TargetFeatureExtractor(stock_qwen3_target, [1, 3], torch.float32, "cpu")
     features = extractor(torch.tensor([[151644, 872, 198, 9707, 151645]]))
     assert features.shape == (1, 5, 64) and torch.isfinite(features).all()
+
+
+@pytest.mark.slow
+def test_a_stock_target_trains_under_torchrun_and_every_checkpoint_exports(
+    stock_qwen3_target: Path, tmp_path: Path
+) -> None:
+    """No hand edits: the stock directory trains, the run keeps its tokenizer with the added mask
+    token, and every retained checkpoint exports in one command to what the reference loads."""
+    from dflash import model as reference
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from dflash_mp.export import main as export_main
+
+    run = tmp_path / "run"
+    run_train(
+        run,
+        f"model.target_path={stock_qwen3_target}",
+        "model.target_layer_ids=[1,2]",
+        "topology=1t1d",
+        "train.max_steps=4",
+        "train.checkpoint_every=2",
+        "train.micro_batch_size=2",
+        "data.max_length=256",
+        "eval.every=0",
+    )
+    saved = OmegaConf.load(run / "config.yaml")
+    assert (saved.model.mask_token_id, saved.train.gamma) == (151669, 4.0)
+    tokenizer = AutoTokenizer.from_pretrained(str(run / "tokenizer"), local_files_only=True)
+    assert tokenizer.convert_tokens_to_ids("<|MASK|>") == 151669
+    steps = sorted(int(p.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*"))
+    assert steps == [2, 4]
+    for step in steps:
+        out = tmp_path / f"export-{step}"
+        assert export_main([str(run), "--step", str(step), "--out", str(out), "--dtype", "float32"]) == 0
+        drafter = reference.DFlashDraftModel.from_pretrained(str(out))
+        assert (drafter.block_size, drafter.mask_token_id) == (8, 151669)
+        trained = load_file(run / "checkpoints" / f"step_{step:08d}" / "drafter.safetensors")
+        assert torch.equal(drafter.fc.weight, trained["fc.weight"])
+    final = reference.DFlashDraftModel.from_pretrained(str(run / "export"))
+    assert final.mask_token_id == 151669
