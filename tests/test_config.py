@@ -64,3 +64,14 @@ def test_default_layer_choice_matches_dflash():
     for layers in (6, 28, 36, 64):
         for draft in (1, 2, 3, 5):
             assert default_target_layer_ids(layers, draft) == build_target_layer_ids(layers, draft)
+
+
+@pytest.mark.parametrize(("block_size", "gamma"), [(16, 7.0), (8, 4.0), (4, 2.5)])
+def test_gamma_follows_the_block_size_unless_set(block_size, gamma):
+    assert _cfg(f"model.block_size={block_size}").train.gamma == gamma
+    assert _cfg(f"model.block_size={block_size}", "train.gamma=5.5").train.gamma == 5.5
+
+
+def test_a_non_positive_gamma_is_refused():
+    with pytest.raises(ConfigError, match="train.gamma=0"):
+        validate(_cfg("train.gamma=0"), world_size=3)
