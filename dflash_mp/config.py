@@ -18,6 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from dflash_mp.embedded import embedded_path
+from dflash_mp.mask_token import mask_token_id, mask_token_problems
 
 
 class ConfigError(ValueError):
@@ -318,7 +319,7 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
                 )
             if len(set(ids)) != len(ids):
                 problems.append(f"model.target_layer_ids={ids!r}: ids must be distinct")
-        problems += mask_token_problems(cfg, target_dir)
+        problems += mask_token_problems(cfg.model, target_dir)
         max_positions = target.get("max_position_embeddings")
         if max_positions is not None and d.max_length > max_positions:
             problems.append(
@@ -338,25 +339,9 @@ def default_gamma(block_size: int) -> float:
     return 1.0 + 3.0 * block_size / 8.0
 
 
-def mask_token_problems(cfg: DictConfig | RootConfig, target_dir: Path) -> list[str]:
-    """Why the mask token cannot work with the target (loads its tokenizer), or nothing."""
-    from dflash_mp.mask_token import MaskTokenError, load_mask_token
-
-    m = cfg.model
-    try:
-        load_mask_token(target_dir, m.mask_token, m.mask_token_id, m.trust_remote_code)
-    except MaskTokenError as e:
-        return [f"model.mask_token_id: {e}"]
-    except Exception as e:  # no or a broken tokenizer: the doctor's target check names the files
-        return [f"model.target_path={str(target_dir)!r}: cannot load its tokenizer ({type(e).__name__}: {e})"]
-    return []
-
-
 def run_config(cfg: RootConfig) -> DictConfig:
     """What RUN_DIR/config.yaml records: every field, train.gamma and model.mask_token_id resolved,
     so that exports and evaluations of the run's checkpoints use the ids it trained with."""
-    from dflash_mp.mask_token import mask_token_id
-
     resolved = OmegaConf.structured(cfg)
     resolved.model.mask_token_id = mask_token_id(cfg.model)
     return resolved

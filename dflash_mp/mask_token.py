@@ -95,6 +95,20 @@ def load_mask_token(
     return mask, tokenizer
 
 
+def mask_token_problems(model_cfg: Any, target_path: str | Path) -> list[str]:
+    """Why `model_cfg`'s mask token cannot work with the target (loads its tokenizer), or nothing."""
+    m = model_cfg
+    try:
+        load_mask_token(target_path, m.mask_token, m.mask_token_id, m.trust_remote_code)
+    except MaskTokenError as e:
+        return [f"model.mask_token_id: {e}"]
+    except Exception as e:  # no or a broken tokenizer (the doctor's target check names the files)
+        return [
+            f"model.target_path={str(target_path)!r}: cannot load its tokenizer ({type(e).__name__}: {e})"
+        ]
+    return []
+
+
 def mask_token_id(model_cfg: Any) -> int:
     """The mask id for `model_cfg` (a ModelConfig): what the drafter is built and exported with."""
     mask, _ = load_mask_token(
