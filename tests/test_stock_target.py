@@ -88,6 +88,7 @@ def test_a_stock_target_trains_under_torchrun_and_every_checkpoint_exports(
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
+    from dflash_mp.eval import main as eval_main
     from dflash_mp.export import main as export_main
 
     run = tmp_path / "run"
@@ -117,3 +118,8 @@ def test_a_stock_target_trains_under_torchrun_and_every_checkpoint_exports(
         assert torch.equal(drafter.fc.weight, trained["fc.weight"])
     final = reference.DFlashDraftModel.from_pretrained(str(run / "export"))
     assert final.mask_token_id == 151669
+    # Speculative decoding with the full 151936-row LM head on CPU.
+    args = [str(run), "--num-prompts", "1", "--max-new-tokens", "6", "--device", "cpu"]
+    assert eval_main(args) == 0
+    result = json.loads((run / "eval.json").read_text())
+    assert result["tau"] >= 1.0 and result["matches_autoregressive"]
