@@ -98,6 +98,8 @@ def load_mask_token(
 def mask_token_problems(model_cfg: Any, target_path: str | Path) -> list[str]:
     """Why `model_cfg`'s mask token cannot work with the target (loads its tokenizer), or nothing."""
     m = model_cfg
+    if not any(Path(target_path).glob("tokenizer*")):
+        return []  # no tokenizer at all: the doctor's target check says which files to copy
     try:
         load_mask_token(target_path, m.mask_token, m.mask_token_id, m.trust_remote_code)
     except MaskTokenError as e:

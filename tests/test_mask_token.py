@@ -37,7 +37,7 @@ def test_a_pinned_id_is_used_and_written_into_the_run_config(stock_qwen3_target:
     validate(cfg, world_size=3)
     assert build_drafter(cfg).mask_token_id == 151900
     assert run_config(cfg).model.mask_token_id == 151900
-    unpinned = run_config(_cfg(stock_qwen3_target))
+    unpinned = run_config(_cfg(stock_qwen3_target, "train.gamma=null"))
     assert unpinned.model.mask_token_id == QWEN3_MASK_ID
     assert unpinned.train.gamma == 4.0  # block 8
 

@@ -100,6 +100,7 @@ def test_a_stock_target_trains_under_torchrun_and_every_checkpoint_exports(
         "train.max_steps=4",
         "train.checkpoint_every=2",
         "train.micro_batch_size=2",
+        "train.gamma=null",
         "data.max_length=256",
         "eval.every=0",
     )
