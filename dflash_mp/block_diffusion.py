@@ -80,9 +80,12 @@ def sample_anchors(
 ) -> tuple[Tensor, Tensor]:
     """Draw up to `num_anchors` distinct sorted anchor positions per sequence.
 
-    Eligible p: a response token with some context before it (p >= 1) and something to predict
-    after it (p + 1 < length). Returns (anchors [B,N] int64, valid [B,N] bool); invalid slots
-    come last and hold anchor 0, which keeps every mask row non-empty (see `block_mask_mod`).
+    Eligible p: a response token with some context before it (p >= 1) whose next token is a
+    response token too (loss_mask[p] and loss_mask[p + 1], p + 1 < length). Inference drafts
+    only from inside a response: an anchor on a turn-final end-of-turn token would train on
+    nothing, or on the next turn at offsets inference never sees. Returns (anchors [B,N] int64,
+    valid [B,N] bool); invalid slots come last and hold anchor 0, which keeps every mask row
+    non-empty (see `block_mask_mod`).
 
     The eligible positions with the N smallest keys form a uniform draw without replacement.
     Everything runs on the inputs' device with static shapes: no host synchronisation, nothing
@@ -91,7 +94,9 @@ def sample_anchors(
     batch, seq_len = loss_mask.shape
     device = loss_mask.device
     positions = torch.arange(seq_len, device=device)
-    eligible = loss_mask.bool() & (positions >= 1) & (positions + 1 < lengths[:, None].to(device))
+    response = loss_mask.bool()
+    next_is_response = F.pad(response[:, 1:], (0, 1), value=False)
+    eligible = response & next_is_response & (positions >= 1) & (positions + 1 < lengths[:, None].to(device))
     # key * S + position is unique per row, so ties cannot make the choice order-dependent.
     keys = anchor_keys(seed, epoch, sample_ids.to(device), seq_len) * seq_len + positions
     never = torch.iinfo(torch.int64).max

@@ -18,6 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from dflash_mp.embedded import embedded_path, target_dir
+from dflash_mp.mask_token import mask_token_id, mask_token_problems
 
 
 class ConfigError(ValueError):
@@ -36,8 +37,11 @@ class ModelConfig:
     target_layer_ids: list[int] | None = None
     # Tokens per draft block: one known token followed by block_size-1 MASK tokens.
     block_size: int = 16
-    # Token used for the masked block positions; must exist in the target tokenizer.
+    # Token used for the masked block positions; added to the run's tokenizer when the target lacks it.
     mask_token: str = "<|MASK|>"
+    # Pins the mask token's id (< the target's vocab_size); null: the tokenizer's id of mask_token,
+    # else the next free id len(tokenizer) (151669 for Qwen3, as the published Qwen3 drafters).
+    mask_token_id: int | None = None
     # Drafter architecture: "dflash", or "dflash2" (convolutions around each sublayer + candidate selector).
     arch: str = "dflash"
     # dflash2: taps of the grouped dynamic depthwise convolution (over block positions).
@@ -129,8 +133,9 @@ class TrainConfig:
     grad_accum: int = 1
     # Seed for data order, anchors and drafter init; the same seed gives the same run.
     seed: int = 0
-    # Loss decay over block positions: weight exp(-(k-1)/gamma) (7 for block 16).
-    gamma: float = 7.0
+    # Loss decay over block positions: weight exp(-(k-1)/gamma); null: 1 + 3*block_size/8
+    # (7 for block 16 as in the paper, 4 for block 8 as the published block-8 recipes).
+    gamma: float | None = None
     # Save a checkpoint every this many optimizer steps (0: only at the end).
     checkpoint_every: int = 0
     # Checkpoints kept on disk (oldest removed first).
@@ -215,10 +220,16 @@ if not OmegaConf.has_resolver("embedded"):
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """DFlash's default: evenly spaced from layer 1 to layer L-3 (one draft layer: L//2)."""
+    """DFlash's default: evenly spaced from layer 1 to layer L-3 (one draft layer: L//2).
+
+    On targets too shallow for that to give distinct layers (e.g. 2 draft layers over 4), the
+    span widens towards the last layer instead of repeating one (the reference would repeat).
+    """
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
+    if end - start < num_draft_layers - 1:
+        end = min(num_target_layers - 1, start + num_draft_layers - 1)
     return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
@@ -313,8 +324,8 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
     _at_least(problems, "train.micro_batch_size", tr.micro_batch_size, 1)
     _at_least(problems, "train.grad_accum", tr.grad_accum, 1)
     _at_least(problems, "train.seed", tr.seed, 0)
-    if not (isinstance(tr.gamma, (int, float)) and tr.gamma > 0):
-        problems.append(f"train.gamma={tr.gamma!r}: must be > 0 (7 for block_size 16)")
+    if tr.gamma is not None and not (isinstance(tr.gamma, (int, float)) and tr.gamma > 0):
+        problems.append(f"train.gamma={tr.gamma!r}: must be > 0, or null for the block size's default")
     _at_least(problems, "train.checkpoint_every", tr.checkpoint_every, 0, " (0: only at the end)")
     _at_least(problems, "train.keep_checkpoints", tr.keep_checkpoints, 1)
     _choice(problems, "train.on_nonfinite", tr.on_nonfinite, ("skip", "stop"))
@@ -390,6 +401,7 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
                 )
             if len(set(ids)) != len(ids):
                 problems.append(f"model.target_layer_ids={ids!r}: ids must be distinct")
+        problems += mask_token_problems(cfg.model, target_dir)
         max_positions = target.get("max_position_embeddings")
         if max_positions is not None and d.max_length > max_positions:
             problems.append(
@@ -403,6 +415,24 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
         )
 
 
+def default_gamma(block_size: int) -> float:
+    """The loss decay for a block size: 7 for 16 (the paper), 4 for 8 (the published block-8
+    recipes), and on the line through those two, 1 + 3*block_size/8, for the others."""
+    return 1.0 + 3.0 * block_size / 8.0
+
+
+def run_config(cfg: RootConfig) -> DictConfig:
+    """What RUN_DIR/config.yaml records: every field, train.gamma and model.mask_token_id resolved,
+    so that exports and evaluations of the run's checkpoints use the ids it trained with."""
+    resolved = OmegaConf.structured(cfg)
+    resolved.model.mask_token_id = mask_token_id(cfg.model)
+    return resolved
+
+
 def to_dataclass(cfg: DictConfig) -> RootConfig:
-    """The composed DictConfig as a typed RootConfig (fully resolved)."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RootConfig), cfg))  # type: ignore[return-value]
+    """The composed DictConfig as a typed RootConfig (fully resolved, defaults that depend on
+    other fields filled in: train.gamma from model.block_size)."""
+    root: RootConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RootConfig), cfg))  # type: ignore[assignment]
+    if root.train.gamma is None:
+        root.train.gamma = default_gamma(root.model.block_size)
+    return root

@@ -29,14 +29,28 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
+# Files readable by every user (a shared model directory), as the directory itself.
+FILE_MODE, DIR_MODE = 0o644, 0o755
+
+
 def _config_json(drafter: DFlashDrafter, dtype: torch.dtype) -> str:
+    """The drafter's config.json for every reader, not only transformers 5.
+
+    The DFlash fields go both under dflash_config and at the top level: z-lab/dflash's loader
+    reads block_size only at the top level, MLX readers take mask_token_id from there (else 0).
+    rope_theta/rope_scaling are repeated beside rope_parameters for transformers-4 readers, and
+    is_causal is written as false: a reader that infers it from the layer type may not.
+    """
     config = drafter.config.to_dict()
     config["architectures"] = [ARCHITECTURES[drafter.arch]]
-    if drafter.arch == "dflash2":
-        # The DFlash 2 contract: readers key on the architecture name and read the conv and
-        # selector fields from dflash_config (build_drafter_config puts them there); without
-        # is_causal false the reference makes sliding-attention layers causal.
-        config["is_causal"] = False
+    for key, value in config["dflash_config"].items():
+        config[key] = value
+    rope = dict(config.get("rope_parameters") or {})
+    if "rope_theta" in rope:
+        config["rope_theta"] = rope.pop("rope_theta")
+        config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+    # Without is_causal false the DFlash 2 reference makes sliding-attention layers causal.
+    config["is_causal"] = False
     dtype_name = str(dtype).removeprefix("torch.")
     # transformers 5 reads `dtype`; older readers (and serving engines) still read `torch_dtype`.
     config["dtype"] = dtype_name
@@ -62,8 +76,11 @@ def export_drafter(
     try:
         (staging / CONFIG_NAME).write_text(_config_json(drafter, saved_dtype))
         save_file(state, staging / WEIGHTS_NAME, metadata={"format": "pt"})
-        for path in (staging / CONFIG_NAME, staging / WEIGHTS_NAME, staging):
+        for path in (staging / CONFIG_NAME, staging / WEIGHTS_NAME):
+            path.chmod(FILE_MODE)
             fsync_path(path)
+        staging.chmod(DIR_MODE)  # mkdtemp made it private
+        fsync_path(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -93,7 +93,11 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
         )
         config_path = run_dir / "config.yaml"
         if not config_path.exists():  # written once; a resumed job keeps the original
-            OmegaConf.save(dict_cfg, config_path, resolve=True)
+            from dflash_mp.config import run_config
+            from dflash_mp.mask_token import save_run_tokenizer
+
+            save_run_tokenizer(cfg.model, run_dir / "tokenizer")  # with the mask token when added
+            OmegaConf.save(run_config(cfg), config_path)
     log.info("role %s on %s, run_dir %s", job.role.value, job.device, run_dir)
 
     index = JsonlIndex(list(cfg.data.train_files))

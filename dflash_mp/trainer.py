@@ -19,6 +19,7 @@ from torch import nn
 from dflash_mp import checkpoint
 from dflash_mp.block_diffusion import drafter_loss, per_position_accuracy
 from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
+from dflash_mp.mask_token import mask_token_id
 from dflash_mp.models.drafter import DFLASH2_FIELDS, DFlashDrafter, build_drafter_config
 from dflash_mp.models.target import load_embedding_and_head
 from dflash_mp.selector_loss import add_selector_stats, pack_selector_totals, selector_metrics
@@ -45,19 +46,6 @@ def resolve_precision(cfg: RootConfig, device: torch.device) -> tuple[torch.dtyp
     return dtype, attention, (on_gpu if compile_flag == "auto" else compile_flag == "true")
 
 
-def mask_token_id(target_path: str, mask_token: str, trust_remote_code: bool) -> int:
-    from dflash_mp.data import load_tokenizer
-
-    tokenizer = load_tokenizer(target_path, trust_remote_code=trust_remote_code)
-    token_id = tokenizer.convert_tokens_to_ids(mask_token)
-    if token_id is None or token_id == tokenizer.unk_token_id:
-        raise ValueError(
-            f"model.mask_token={mask_token!r} is not a token of the target tokenizer at {target_path}: "
-            "add it as a special token or set model.mask_token to one that exists"
-        )
-    return int(token_id)
-
-
 def build_drafter(cfg: RootConfig) -> DFlashDrafter:
     """A freshly initialised drafter (identical on every rank: seeded by train.seed)."""
     target = read_target_config(cfg.model.target_path)
@@ -67,7 +55,7 @@ def build_drafter(cfg: RootConfig) -> DFlashDrafter:
         draft_layers=cfg.model.draft_layers,
         target_layer_ids=layer_ids,
         block_size=cfg.model.block_size,
-        mask_token_id=mask_token_id(cfg.model.target_path, cfg.model.mask_token, cfg.model.trust_remote_code),
+        mask_token_id=mask_token_id(cfg.model),
         arch=cfg.model.arch,
         dflash2={key: getattr(cfg.model, key) for key in DFLASH2_FIELDS},
     )

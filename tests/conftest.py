@@ -1,4 +1,4 @@
-"""Shared fixtures: a private cache for the embedded target, helpers to run real jobs."""
+"""Shared fixtures: the stock-layout Qwen3 target, helpers to run real jobs."""
 
 from __future__ import annotations
 
@@ -36,6 +36,14 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def stock_qwen3_target() -> Path:
+    """A stock-layout Qwen3 directory (Qwen's real vocabulary, no <|MASK|>, tiny random weights)."""
+    from tests.stock_qwen3 import ensure_stock_target
+
+    return ensure_stock_target()
 
 
 def job_env() -> dict[str, str]:

@@ -45,6 +45,11 @@ def make_sequences(lengths: list[int], seq_len: int, seed: int = 0) -> tuple[Ten
     return input_ids, loss_mask, torch.tensor(lengths)
 
 
+def eligible_anchors(loss_mask: Tensor, row: int, length: int) -> list[int]:
+    """Response positions with context before them whose next token is a response token too."""
+    return [p for p in range(1, length - 1) if loss_mask[row, p] and loss_mask[row, p + 1]]
+
+
 def brute_force_mask(anchors: Tensor, context_len: int, block_size: int) -> Tensor:
     batch, num_anchors = anchors.shape
     num_queries = num_anchors * block_size
@@ -92,14 +97,14 @@ def test_anchors_depend_only_on_seed_epoch_and_sample() -> None:
 def test_anchors_are_eligible_sorted_distinct_and_as_many_as_possible() -> None:
     input_ids, loss_mask, lengths = make_sequences([40, 12, 30, 6], seq_len=40)
     loss_mask[2] = 0  # a sequence with no response: no anchors at all
-    loss_mask[3, :6] = 1  # all response: only 1..4 are eligible (0 has no context, 5 nothing to predict)
+    loss_mask[3, :6] = 1  # all response: only 1..4 are eligible (0 has no context, 5 no response after it)
     anchors, valid = sample_anchors(
         loss_mask, lengths, torch.tensor([0, 1, 2, 3]), epoch=0, seed=0, num_anchors=8
     )
     assert anchors.shape == valid.shape == (4, 8)
     for row in range(4):
         length = int(lengths[row])
-        eligible = {p for p in range(length) if loss_mask[row, p] and p >= 1 and p + 1 < length}
+        eligible = set(eligible_anchors(loss_mask, row, length))
         count = int(valid[row].sum())
         assert count == min(8, len(eligible))
         assert valid[row, :count].all() and not valid[row, count:].any()
@@ -113,7 +118,7 @@ def test_anchors_are_eligible_sorted_distinct_and_as_many_as_possible() -> None:
 
 def test_anchors_cover_every_eligible_position_across_epochs() -> None:
     _, loss_mask, lengths = make_sequences([40], seq_len=40)
-    eligible = {p for p in range(40) if loss_mask[0, p] and 1 <= p < 39}
+    eligible = set(eligible_anchors(loss_mask, 0, 40))
     seen: set[int] = set()
     for epoch in range(60):
         anchors, valid = sample_anchors(loss_mask, lengths, torch.tensor([5]), epoch, seed=1, num_anchors=4)
@@ -121,9 +126,21 @@ def test_anchors_cover_every_eligible_position_across_epochs() -> None:
     assert seen == eligible
 
 
+def test_no_anchor_on_a_turn_final_token() -> None:
+    """A turn's last response token (its end-of-turn) has nothing of its turn left to predict."""
+    loss_mask = torch.zeros(1, 30, dtype=torch.uint8)
+    loss_mask[0, 5:12] = 1  # first answer, <|im_end|> at 11
+    loss_mask[0, 18:30] = 1  # second answer, <|im_end|> at 29 (the last token)
+    seen: set[int] = set()
+    for epoch in range(200):
+        anchors, valid = sample_anchors(loss_mask, torch.tensor([30]), torch.tensor([3]), epoch, 0, 4)
+        seen |= set(anchors[valid].tolist())
+    assert seen == set(range(5, 11)) | set(range(18, 29))
+
+
 def test_anchors_are_uniform_over_eligible_positions_and_use_every_id_bit() -> None:
     _, loss_mask, lengths = make_sequences([40], seq_len=40)
-    eligible = [p for p in range(40) if loss_mask[0, p] and 1 <= p < 39]
+    eligible = eligible_anchors(loss_mask, 0, 40)
     counts = torch.zeros(40)
     epochs, per_draw = 3000, 4
     for epoch in range(epochs):

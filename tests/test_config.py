@@ -56,7 +56,7 @@ def test_unknown_keys_are_rejected_by_the_schema():
 
 
 def test_default_layer_choice_matches_dflash():
-    # Evenly spaced from layer 1 to L-3; one draft layer takes L//2 (DESIGN §3).
+    # Evenly spaced from layer 1 to L-3; one draft layer takes L//2 (docs/DESIGN.md §3).
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(28, 1) == [14]
     from dflash.model import build_target_layer_ids
@@ -64,6 +64,9 @@ def test_default_layer_choice_matches_dflash():
     for layers in (6, 28, 36, 64):
         for draft in (1, 2, 3, 5):
             assert default_target_layer_ids(layers, draft) == build_target_layer_ids(layers, draft)
+    # Too shallow for distinct layers in [1, L-3]: widen instead of repeating (the reference gives [1, 1]).
+    assert default_target_layer_ids(4, 2) == [1, 2]
+    assert default_target_layer_ids(4, 3) == [1, 2, 3]
 
 
 def test_paper_recipe_checkpoints_and_needs_held_out_prompts_for_a_real_target(tmp_path):
@@ -105,3 +108,15 @@ def test_dflash2_settings_are_validated_against_the_target():
         assert expected in message, expected
     with pytest.raises(ConfigError, match="model.arch='dflash3': must be one of 'dflash', 'dflash2'"):
         validate(_cfg("model.arch=dflash3"), world_size=3)
+
+
+@pytest.mark.parametrize(("block_size", "gamma"), [(16, 7.0), (8, 4.0), (4, 2.5)])
+def test_gamma_follows_the_block_size_unless_set(block_size, gamma):
+    # The embedded experiment sets its own gamma; null asks for the rule.
+    assert _cfg(f"model.block_size={block_size}", "train.gamma=null").train.gamma == gamma
+    assert _cfg(f"model.block_size={block_size}", "train.gamma=5.5").train.gamma == 5.5
+
+
+def test_a_non_positive_gamma_is_refused():
+    with pytest.raises(ConfigError, match="train.gamma=0"):
+        validate(_cfg("train.gamma=0"), world_size=3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,33 @@ def test_crash_mid_export_keeps_previous_export(tmp_path: Path, monkeypatch: pyt
     export_drafter(new, out_dir, dtype=None)
     assert [p.name for p in tmp_path.iterdir()] == ["export"]
     _assert_same_weights(load_exported_drafter(out_dir), new.state_dict())
+
+
+def test_config_serves_every_reader(tmp_path: Path) -> None:
+    """Top-level DFlash fields (z-lab/dflash reads block_size only there), transformers-4 RoPE keys,
+    an explicit non-causal flag; the reference package loads it as such."""
+    from dflash import model as reference
+
+    target = Qwen3Config(**{**TARGET.to_dict(), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    config = build_drafter_config(target, 1, [0, 2], block_size=4, mask_token_id=99)
+    out_dir = export_drafter(DFlashDrafter(config), tmp_path / "export")
+    written = json.loads((out_dir / "config.json").read_text())
+    assert (written["block_size"], written["mask_token_id"], written["target_layer_ids"]) == (4, 99, [0, 2])
+    assert written["rope_theta"] == target.rope_parameters["rope_theta"]
+    assert written["rope_scaling"]["rope_type"] == "yarn" and written["rope_scaling"]["factor"] == 4.0
+    assert written["is_causal"] is False
+    loaded = reference.DFlashDraftModel.from_pretrained(str(out_dir))
+    assert (loaded.block_size, loaded.mask_token_id) == (4, 99)
+    assert not loaded.layers[0].self_attn.is_causal
+    plain = json.loads((export_drafter(_drafter(0), tmp_path / "plain") / "config.json").read_text())
+    assert plain["rope_scaling"] is None and plain["rope_theta"] == TARGET.rope_parameters["rope_theta"]
+
+
+def test_export_is_readable_by_other_users_whatever_the_umask(tmp_path: Path) -> None:
+    previous = os.umask(0o077)
+    try:
+        out_dir = export_drafter(_drafter(0), tmp_path / "export")
+    finally:
+        os.umask(previous)
+    assert out_dir.stat().st_mode & 0o777 == 0o755
+    assert sorted(p.stat().st_mode & 0o777 for p in out_dir.iterdir()) == [0o644, 0o644]
