@@ -63,7 +63,9 @@ def test_default_layer_choice_matches_dflash():
 
     for layers in (6, 28, 36, 64):
         for draft in (1, 2, 3, 5):
-            assert default_target_layer_ids(layers, draft) == build_target_layer_ids(layers, draft)
+            reference = build_target_layer_ids(layers, draft)
+            if len(set(reference)) == len(reference):
+                assert default_target_layer_ids(layers, draft) == reference
     # Too shallow for distinct layers in [1, L-3]: widen instead of repeating (the reference gives [1, 1]).
     assert default_target_layer_ids(4, 2) == [1, 2]
     assert default_target_layer_ids(4, 3) == [1, 2, 3]
