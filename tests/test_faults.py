@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_mp.config import compose_config, to_dataclass
-from dflash_mp.launch import EXIT_FAILED, group_members, job_processes, read_job_state
+from dflash_mp.launch.outcome import EXIT_FAILED, read_job_state
+from dflash_mp.launch.processes import group_members, job_processes
 from dflash_mp.watchdog import EXIT_HUNG, EXIT_PREEMPTED, FAULT_ENV, FAULT_EXIT_CODE, read_heartbeats
 from tests.conftest import REPO, job_env, read_metrics, run_train
 

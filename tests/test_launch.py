@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from dflash_mp import doctor, launch
+from dflash_mp import doctor
+from dflash_mp.launch import outcome, processes, supervisor
 from dflash_mp.config import compose_config
 from dflash_mp.embedded import embedded_path
 from dflash_mp.watchdog import EXIT_PREEMPTED
@@ -46,7 +47,7 @@ def test_a_bad_config_fails_before_any_worker_naming_every_field(tmp_path, entry
         text=True,
         timeout=60,
     )
-    assert proc.returncode == launch.EXIT_PREFLIGHT, proc.stderr
+    assert proc.returncode == outcome.EXIT_PREFLIGHT, proc.stderr
     assert time.monotonic() - started < 15
     for field in ("train.micro_batch_size=0", "data.train_files[0]="):
         assert field in proc.stderr
@@ -55,7 +56,7 @@ def test_a_bad_config_fails_before_any_worker_naming_every_field(tmp_path, entry
     # No worker ever started: no torchrun logs, no rank logs, no heartbeats.
     assert not (run / "logs" / "torchrun").exists() and not (run / "heartbeats").exists()
     assert not list((run / "logs").glob("rank*.log"))
-    assert launch.read_job_state(run)["exit_code"] == launch.EXIT_PREFLIGHT
+    assert outcome.read_job_state(run)["exit_code"] == outcome.EXIT_PREFLIGHT
 
 
 def test_doctor_names_a_busy_port_and_a_target_without_weights(tmp_path):
@@ -88,11 +89,11 @@ def _heartbeat(run_dir, stop_requested: str | None) -> None:
 def test_the_supervisor_passes_sigterm_on_only_when_no_rank_got_it(tmp_path, monkeypatch, ranks_got_it):
     """`kill SUPERVISOR` or `docker stop` reach the supervisor alone: it passes the signal on to
     torchrun. A signal to the whole process group reached torchrun already: no second one."""
-    monkeypatch.setattr(launch, "FORWARD_AFTER_S", 0.0)
+    monkeypatch.setattr(supervisor, "FORWARD_AFTER_S", 0.0)
     _heartbeat(tmp_path, "SIGTERM" if ranks_got_it else None)
     agent = subprocess.Popen(["sleep", "60"])
     try:
-        monitor = launch.JobMonitor(tmp_path, agent, job_id="none")
+        monitor = supervisor.JobMonitor(tmp_path, agent, job_id="none")
         monitor.on_signal(signal.SIGTERM, None)
         monitor.poll()
         if ranks_got_it:
@@ -113,9 +114,9 @@ def _steps_done(run) -> int:
 def adopt_orphans():
     """This process adopts orphans and must reap them, as an init that reaps does (docker --init)."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl
-    prctl(launch.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    prctl(processes.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     yield
-    prctl(launch.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    prctl(processes.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 @pytest.mark.slow
@@ -133,7 +134,7 @@ def test_a_detached_job_outlives_its_shell_and_obeys_status_and_stop(tmp_path, a
         start_new_session=True,
     )
     out, err = shell.communicate(timeout=60)
-    state = launch.read_job_state(run)
+    state = outcome.read_job_state(run)
     try:
         assert shell.returncode == 0, err
         assert f"RUN_DIR={run}" in out and "started: supervisor pid" in out
@@ -227,7 +228,7 @@ def test_a_sweep_runs_each_job_as_its_own_torchrun_job(tmp_path):
         assert f"lr: {lr}" in (run / "config.yaml").read_text()
         assert [r["step"] for r in read_metrics(run)] == [1, 2]
         assert "job succeeded: exit code 0" in last_lines(run, 1)
-        job_ids.add(launch.read_job_state(run)["job_id"])
+        job_ids.add(outcome.read_job_state(run)["job_id"])
     assert len(job_ids) == 2
 
 
