@@ -15,9 +15,9 @@ import time
 import pytest
 
 from dflash_mp import doctor
-from dflash_mp.launch import outcome, processes, supervisor
 from dflash_mp.config import compose_config
 from dflash_mp.embedded import embedded_path
+from dflash_mp.launch import outcome, processes, supervisor
 from dflash_mp.watchdog import EXIT_PREEMPTED
 from tests.conftest import REPO, job_env, read_metrics
 from tests.test_faults import FAST, last_lines, leftovers, wait_until
@@ -147,6 +147,13 @@ def test_a_detached_job_outlives_its_shell_and_obeys_status_and_stop(tmp_path, a
         before = _steps_done(run)
         wait_until(lambda: _steps_done(run) > before + 2, 60, "training to go on without its shell")
 
+        # One job per run directory: a second start is refused at once, naming the supervisor.
+        second = launch_cli("start", *args)
+        assert second.returncode == outcome.EXIT_PREFLIGHT
+        assert f"pid {supervisor} on host {socket.gethostname()}" in second.stderr, second.stderr
+        assert outcome.read_job_state(run)["pid"] == supervisor
+        assert len(list((run / "logs" / "torchrun").iterdir())) == 1  # no second torchrun
+
         status = launch_cli("status", str(run))
         assert status.returncode == 0, status.stderr
         for line in ("state:      running", "last step:", "heartbeat:  last", "rank 1 drafter", "job.log"):
@@ -210,10 +217,11 @@ def test_two_torchrun_agents_on_loopback_train_as_two_nodes(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_sweep_runs_each_job_as_its_own_torchrun_job(tmp_path):
+def test_a_sweep_runs_each_job_as_its_own_torchrun_job_past_a_failed_point(tmp_path):
+    """Point 1 fails its preflight; point 2 still runs, and the summary lists every point."""
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash_mp.train", "-m", "optim.lr=1e-4,6e-4", "train.max_steps=2"]
+        [sys.executable, "-m", "dflash_mp.train", "-m", "optim.lr=1e-4,-1,6e-4", "train.max_steps=2"]
         + ["topology.targets=1", "topology.drafters=1", *FAST],
         cwd=REPO,
         env=job_env() | {"DFLASH_SWEEP_DIR": str(sweep)},
@@ -221,15 +229,22 @@ def test_a_sweep_runs_each_job_as_its_own_torchrun_job(tmp_path):
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == outcome.EXIT_FAILED, proc.stdout[-3000:] + proc.stderr[-3000:]
     job_ids = set()
-    for num, lr in enumerate(("0.0001", "0.0006")):
+    for num, lr in ((0, "0.0001"), (2, "0.0006")):
         run = sweep / str(num)
         assert f"lr: {lr}" in (run / "config.yaml").read_text()
         assert [r["step"] for r in read_metrics(run)] == [1, 2]
         assert "job succeeded: exit code 0" in last_lines(run, 1)
         job_ids.add(outcome.read_job_state(run)["job_id"])
     assert len(job_ids) == 2
+    assert outcome.read_job_state(sweep / "1")["exit_code"] == outcome.EXIT_PREFLIGHT
+    summary = (sweep / "summary.txt").read_text()
+    assert summary in proc.stdout and "1 of 3 point(s) failed" in summary
+    rows = {line.split()[0]: line.split() for line in summary.splitlines()[2:]}
+    assert rows["0"][1:4] == ["succeeded", "0", str(sweep / "0")] and "optim.lr=0.0001" in rows["0"]
+    assert rows["1"][1:4] == ["failed", "2", str(sweep / "1")] and "optim.lr=-1" in rows["1"]
+    assert rows["2"][1:4] == ["succeeded", "0", str(sweep / "2")]
 
 
 @pytest.mark.slow
@@ -264,3 +279,75 @@ def test_the_sbatch_script_trains_with_stand_ins_for_srun_and_scontrol(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
     assert "job succeeded: exit code 0" in last_lines(run, 1)
+
+
+def _earlier_run(run_dir) -> str:
+    """What a finished run leaves: checkpoints and metrics (their content does not matter here)."""
+    (run_dir / "checkpoints" / "step_00000005").mkdir(parents=True)
+    metrics = '{"step": 5, "loss": 2.0, "lr": 0.001}\n'
+    (run_dir / "metrics.jsonl").write_text(metrics)
+    return metrics
+
+
+@pytest.mark.parametrize("entry", ["dflash_mp.launch run", "torchrun"])
+def test_a_fresh_start_in_a_used_run_dir_is_refused_before_any_worker_works(tmp_path, entry):
+    """Without train.resume=true a used run directory is left alone, by the launcher and by plain
+    torchrun alike (there every rank exits with the reason, code 2, before loading anything)."""
+    run = tmp_path / "used"
+    metrics = _earlier_run(run)
+    job = ["topology.targets=1", "topology.drafters=1", f"run_dir={run}", *FAST]
+    if entry == "torchrun":
+        command = [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "dflash_mp.train",
+        ]
+    else:
+        command = ["-m", *entry.split()]
+    proc = subprocess.run(
+        [sys.executable, *command, *job], cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=120
+    )
+    output = proc.stdout + proc.stderr
+    if entry == "torchrun":
+        assert proc.returncode != 0 and output.count("exitcode  : 2") == 2, output[-3000:]
+        assert output.count("refused: run_dir=") == 2  # every rank says why
+    else:
+        assert proc.returncode == outcome.EXIT_PREFLIGHT, output[-3000:]
+    assert f"run_dir={run} holds an earlier run" in output
+    for way_out in ("train.resume=true", "a new run_dir", "train.overwrite=true"):
+        assert way_out in output
+    assert (run / "metrics.jsonl").read_text() == metrics  # not truncated
+    assert (run / "checkpoints" / "step_00000005").is_dir() and not (run / "config.yaml").exists()
+    assert not list((run / "logs").glob("rank*.log")) and not (run / "heartbeats").exists()
+
+
+def test_a_second_job_on_a_run_dir_is_refused_at_once_naming_the_holder(tmp_path):
+    from tests.test_rundir import hold_lock
+
+    run = tmp_path / "taken"
+    holder = hold_lock(run)
+    try:
+        started = time.monotonic()
+        proc = launch_cli("start", f"run_dir={run}", "topology.targets=1", "topology.drafters=1", *FAST)
+        assert proc.returncode == outcome.EXIT_PREFLIGHT
+        assert time.monotonic() - started < 30
+        assert f"pid {holder.pid} on host {socket.gethostname()}" in proc.stderr, proc.stderr
+        assert not (run / "job.json").exists() and not (run / "logs").exists()  # the holder's files untouched
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_sweep_point_requeued_after_a_preemption_resumes(tmp_path):
+    from dflash_mp.launch.sweep import resume_if_preempted
+
+    run, overrides = tmp_path / "3", ["optim.lr=6e-4"]
+    cfg = compose_config(overrides)
+    assert not resume_if_preempted(run, cfg, overrides) and not cfg.train.resume
+    run.mkdir()
+    (run / "PREEMPTED").write_text(json.dumps({"step": 4, "signal": "SIGUSR2"}))
+    assert resume_if_preempted(run, cfg, overrides)
+    assert cfg.train.resume and overrides == ["optim.lr=6e-4", "train.resume=true"]

@@ -20,7 +20,6 @@ from omegaconf import DictConfig
 
 from dflash_mp.launch.launcher import default_run_dir, launch
 from dflash_mp.launch.outcome import EXIT_FAILED, EXIT_SUCCEEDED, read_job_state
-from dflash_mp.logs import append_job_log
 from dflash_mp.watchdog import preempted_marker
 
 POINTS_DIR = "points"
@@ -46,10 +45,8 @@ def launch_from_hydra(dict_cfg: DictConfig) -> int:
         if code != EXIT_SUCCEEDED:
             raise SystemExit(code)
         return code
-    if preempted_marker(run_dir).exists() and not dict_cfg.train.resume:
-        overrides.append("train.resume=true")
-        dict_cfg.train.resume = True
-        append_job_log(run_dir, "sweep point requeued after a preemption: resuming (train.resume=true)")
+    if resume_if_preempted(run_dir, dict_cfg, overrides):
+        print(f"dflash_mp: sweep point {hydra_cfg.job.num} was preempted: resuming it", flush=True)
     try:
         code = launch(dict_cfg, overrides, run_dir)
     except Exception as e:  # the launcher itself failed: this point fails, the sweep goes on
@@ -57,6 +54,16 @@ def launch_from_hydra(dict_cfg: DictConfig) -> int:
         code = EXIT_FAILED
     record_point(Path(hydra_cfg.sweep.dir), int(hydra_cfg.job.num), overrides, code, run_dir)
     return code
+
+
+def resume_if_preempted(run_dir: Path, dict_cfg: DictConfig, overrides: list[str]) -> bool:
+    """A point requeued after a preemption (submitit runs it again with the same overrides)
+    continues from its checkpoint instead of being refused as a fresh start in a used run_dir."""
+    if dict_cfg.train.resume or not preempted_marker(run_dir).exists():
+        return False
+    overrides.append("train.resume=true")
+    dict_cfg.train.resume = True
+    return True
 
 
 def record_point(sweep_dir: Path, num: int, overrides: list[str], code: int, run_dir: Path) -> None:
