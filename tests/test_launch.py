@@ -351,3 +351,88 @@ def test_a_sweep_point_requeued_after_a_preemption_resumes(tmp_path):
     (run / "PREEMPTED").write_text(json.dumps({"step": 4, "signal": "SIGUSR2"}))
     assert resume_if_preempted(run, cfg, overrides)
     assert cfg.train.resume and overrides == ["optim.lr=6e-4", "train.resume=true"]
+
+
+FAKE_SRUN = """
+import json, os, signal, sys, time
+from pathlib import Path
+
+args = sys.argv[1:]
+Path(os.environ["FAKE_SRUN_ARGS"]).write_text(json.dumps(args))
+run_dir = Path(next(a.split("=", 1)[1] for a in args if a.startswith("run_dir=")))
+got = []
+signal.signal(signal.SIGUSR1, lambda sig, frame: got.append(sig))
+(run_dir / "heartbeats").mkdir(parents=True, exist_ok=True)
+
+
+def beat(rank, role, state, at):
+    fields = dict(rank=rank, role=role, host="node", pid=1, state=state, phase="receive", step=4)
+    fields |= dict(progress_at=at, written_at=at, timeout_s=900, stop_requested=None, error=None)
+    (run_dir / "heartbeats" / f"rank{rank}.json").write_text(json.dumps(fields))
+
+
+now = time.time()
+if os.environ["FAKE_SCENARIO"] == "failure":
+    beat(0, "target", "running", now - 5)  # SIGKILLed: its heartbeat stopped there
+    beat(1, "drafter", "preempted", now)  # torchrun's teardown SIGTERM: it checkpointed
+    signal_name = "SIGTERM"
+else:  # SLURM's warning before the time limit reaches the batch script, which passes it on
+    os.kill(os.getppid(), signal.SIGUSR1)
+    deadline = time.time() + 30
+    while not got and time.time() < deadline:
+        time.sleep(0.05)
+    beat(0, "target", "stopped", time.time())
+    beat(1, "drafter", "preempted", time.time())
+    signal_name = "SIGUSR1" if got else "none"
+(run_dir / "PREEMPTED").write_text(json.dumps({"step": 4, "signal": signal_name}))
+sys.exit(1)  # torchrun's exit code whenever a worker did not exit 0
+"""
+
+
+@pytest.mark.parametrize(
+    "scenario, attempt, code, requeued",
+    [("failure", 0, outcome.EXIT_FAILED, False), ("preemption", 0, 75, True), ("preemption", 3, 75, False)],
+)
+def test_the_sbatch_script_requeues_only_a_real_preemption_and_only_so_often(
+    tmp_path, scenario, attempt, code, requeued
+):
+    """launch/slurm.sbatch's decisions, with srun standing in for a job that a rank failure tore down
+    (the survivors checkpointed and wrote PREEMPTED) or that SLURM's USR1 stopped."""
+    bin_dir, run = tmp_path / "bin", tmp_path / "slurm-run"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!{sys.executable}\n{FAKE_SRUN}")
+    (bin_dir / "scontrol").write_text(
+        f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol.log\n'
+        '[ "$1 $2" = "show hostnames" ] && echo localhost\nexit 0\n'
+    )
+    # The preflight is tested elsewhere: here it passes at once.
+    (bin_dir / "python").write_text(f'#!/bin/bash\n[ "$3" = doctor ] && exit 0\nexec {sys.executable} "$@"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = job_env() | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python")}
+    env |= dict(
+        SLURM_JOB_ID="4242", SLURM_JOB_NAME="dflash", SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost"
+    )
+    env |= dict(
+        SLURM_RESTART_COUNT=str(attempt), SLURM_CPUS_PER_TASK="12", GPUS_PER_NODE="2", RUN_DIR=str(run)
+    )
+    env |= dict(FAKE_SCENARIO=scenario, FAKE_SRUN_ARGS=str(tmp_path / "srun.json"))
+    proc = subprocess.run(
+        ["bash", "launch/slurm.sbatch", "topology.targets=1", "topology.drafters=1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
+    scontrol = (tmp_path / "scontrol.log").read_text()
+    assert ("requeue 4242" in scontrol) == requeued, scontrol
+    log = (run / "logs" / "job.log").read_text()
+    assert "--cpus-per-task=12" in json.loads((tmp_path / "srun.json").read_text())  # all CPUs to the step
+    if scenario == "failure":
+        assert "job FAILED: exit code 1" in log and "first failure: rank 0 (target) died" in log, log
+        assert not (run / "PREEMPTED").exists()
+    else:
+        assert "batch script: got SIGUSR1" in log and "job PREEMPTED: exit code 75" in log, log
+        assert requeued or "not requeueing: this was attempt 3 and MAX_REQUEUES=3" in log
