@@ -100,6 +100,9 @@ def _claim_run_dir(cfg, run_dir: Path, job) -> None:
     problem = broadcast_text(problem, src=0, group=job.meta_group)
     if problem:
         print(f"dflash_mp: rank {job.rank}: refused: {problem}", file=sys.stderr, flush=True)
+        import torch.distributed as dist
+
+        dist.destroy_process_group()  # exiting with live gloo groups can abort the interpreter
         sys.exit(EXIT_CONFIG_ERROR)
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_mp.logs import append_job_log
+from dflash_mp.logs import append_job_log, job_log_path
 from dflash_mp.watchdog import EXIT_HUNG, EXIT_PREEMPTED, preempted_marker, read_heartbeats
 
 EXIT_SUCCEEDED = 0
@@ -106,12 +107,42 @@ def error_files(log_dir: Path) -> dict[int, dict[str, Any]]:
     return found
 
 
+# torchrun's failure summary, one entry per failed worker: "exitcode  : -9 (pid: 1234)".
+_TORCHRUN_EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
+LOG_TAIL_BYTES = 256 * 1024
+
+
+def worker_exit_codes(run_dir: Path) -> dict[int, int]:
+    """Exit codes by pid from torchrun's failure summaries at the end of job.log (negative: the
+    signal that killed the worker)."""
+    try:
+        with open(job_log_path(run_dir), "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES, 0))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return {}
+    return {int(pid): int(code) for code, pid in _TORCHRUN_EXITCODE.findall(text)}
+
+
+def _death(exit_code: int | None) -> str:
+    if exit_code is not None and exit_code < 0:
+        try:
+            name = signal.Signals(-exit_code).name
+        except ValueError:
+            name = f"signal {-exit_code}"
+        return f"died without a Python traceback (killed by {name})"
+    if exit_code is not None:
+        return f"died without a Python traceback (exited with code {exit_code})"
+    return "died without a Python traceback (killed by a signal, the OOM killer, or a native crash)"
+
+
 def first_failure(
     beats: dict[int, dict],
     vanished: dict[int, float] | None,
     errors: dict[int, dict],
     targets: int,
     before: float | None = None,
+    exit_codes: dict[int, int] | None = None,
 ) -> Outcome | None:
     """The failure or hang that came first (and before `before`, the outside stop, if any).
 
@@ -128,7 +159,7 @@ def first_failure(
             events.append((beat["written_at"], rank, beat["role"], str(beat["error"]), "hung"))
         elif beat["state"] == "running" and (vanished is None or rank in vanished):
             died = beat["written_at"] if vanished is None else vanished[rank]
-            what = "died without a Python traceback (killed by a signal, the OOM killer, or a native crash)"
+            what = _death((exit_codes or {}).get(beat["pid"]))
             events.append((died, rank, beat["role"], what, "failed"))
     for rank, error in errors.items():
         if rank not in beats:  # failed before its heartbeat started
@@ -163,7 +194,14 @@ def judge(
         return Outcome("succeeded", EXIT_SUCCEEDED, f"all ranks finished; see {run_dir}")
     if launcher_hang is not None:
         return Outcome("hung", EXIT_HUNG, launcher_hang)
-    failure = first_failure(beats, vanished, errors, targets, before=stop.at if stop else None)
+    failure = first_failure(
+        beats,
+        vanished,
+        errors,
+        targets,
+        before=stop.at if stop else None,
+        exit_codes=worker_exit_codes(run_dir),
+    )
     if failure is not None:
         return failure
     marker = preempted_marker(run_dir)
