@@ -243,7 +243,7 @@ def test_a_sweep_runs_each_job_as_its_own_torchrun_job_past_a_failed_point(tmp_p
     assert summary in proc.stdout and "1 of 3 point(s) failed" in summary
     rows = {line.split()[0]: line.split() for line in summary.splitlines()[2:]}
     assert rows["0"][1:4] == ["succeeded", "0", str(sweep / "0")] and "optim.lr=0.0001" in rows["0"]
-    assert rows["1"][1:4] == ["failed", "2", str(sweep / "1")] and "optim.lr=-1" in rows["1"]
+    assert rows["1"][1:4] == ["not-started", "2", str(sweep / "1")] and "optim.lr=-1" in rows["1"]
     assert rows["2"][1:4] == ["succeeded", "0", str(sweep / "2")]
 
 

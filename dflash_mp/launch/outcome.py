@@ -27,6 +27,15 @@ EXIT_PREFLIGHT = 2  # bad config or environment (or the run directory is taken);
 EXIT_INTERRUPTED = 130  # Ctrl-C before a checkpoint
 EXIT_STOPPED = 143  # SIGTERM before a checkpoint could be written
 # EXIT_HUNG (3) and EXIT_PREEMPTED (75) come from dflash_mp.watchdog: the ranks exit with them.
+STATE_OF_EXIT_CODE = {
+    EXIT_SUCCEEDED: "succeeded",
+    EXIT_FAILED: "failed",
+    EXIT_PREFLIGHT: "not-started",
+    EXIT_HUNG: "hung",
+    EXIT_PREEMPTED: "preempted",
+    EXIT_INTERRUPTED: "interrupted",
+    EXIT_STOPPED: "stopped",
+}
 
 
 @dataclass

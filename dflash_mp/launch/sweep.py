@@ -19,7 +19,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from dflash_mp.launch.launcher import default_run_dir, launch
-from dflash_mp.launch.outcome import EXIT_FAILED, EXIT_SUCCEEDED, read_job_state
+from dflash_mp.launch.outcome import EXIT_FAILED, EXIT_SUCCEEDED, STATE_OF_EXIT_CODE
 from dflash_mp.watchdog import preempted_marker
 
 POINTS_DIR = "points"
@@ -69,7 +69,8 @@ def resume_if_preempted(run_dir: Path, dict_cfg: DictConfig, overrides: list[str
 def record_point(sweep_dir: Path, num: int, overrides: list[str], code: int, run_dir: Path) -> None:
     points = sweep_dir / POINTS_DIR
     points.mkdir(parents=True, exist_ok=True)
-    outcome = read_job_state(run_dir).get("state") or ("succeeded" if code == 0 else "failed")
+    # From the exit code, not job.json: a point refused a taken run_dir must not report that job.
+    outcome = STATE_OF_EXIT_CODE.get(code, "failed")
     record = {
         "point": num,
         "overrides": overrides,
