@@ -323,6 +323,22 @@ def test_a_fresh_start_in_a_used_run_dir_is_refused_before_any_worker_works(tmp_
     assert (run / "metrics.jsonl").read_text() == metrics  # not truncated
     assert (run / "checkpoints" / "step_00000005").is_dir() and not (run / "config.yaml").exists()
     assert not list((run / "logs").glob("rank*.log")) and not (run / "heartbeats").exists()
+    if entry == "torchrun":
+        return
+    # The explicit way out: train.overwrite=true clears the earlier run first; job.log keeps its story.
+    rerun = subprocess.run(
+        [sys.executable, *command, *job, "train.overwrite=true", "train.max_steps=2"],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000002"]
+    log = (run / "logs" / "job.log").read_text()
+    assert "holds an earlier run" in log and "train.overwrite=true: removed the earlier run's" in log
 
 
 def test_a_second_job_on_a_run_dir_is_refused_at_once_naming_the_holder(tmp_path):
