@@ -142,6 +142,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     # Continue from the newest complete checkpoint in run_dir/checkpoints.
     resume: bool = False
+    # Clear run_dir of an earlier run (checkpoints, metrics, config, logs but job.log) before a fresh
+    # start; without it a fresh start in a used run_dir is refused.
+    overwrite: bool = False
     # Non-finite loss or gradient: "skip" the optimizer step or "stop" the job.
     on_nonfinite: str = "stop"
     # "auto" (cuda when available), "cuda" or "cpu".
@@ -328,6 +331,10 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
         problems.append(f"train.gamma={tr.gamma!r}: must be > 0, or null for the block size's default")
     _at_least(problems, "train.checkpoint_every", tr.checkpoint_every, 0, " (0: only at the end)")
     _at_least(problems, "train.keep_checkpoints", tr.keep_checkpoints, 1)
+    if tr.resume and tr.overwrite:
+        problems.append(
+            "train.overwrite=true clears run_dir, train.resume=true continues it: pick one (or a new run_dir)"
+        )
     _choice(problems, "train.on_nonfinite", tr.on_nonfinite, ("skip", "stop"))
     _choice(problems, "train.device", tr.device, ("auto", "cuda", "cpu"))
     _choice(problems, "train.dtype", tr.dtype, ("auto", "float32", "bfloat16"))

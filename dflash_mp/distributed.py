@@ -18,6 +18,14 @@ import torch.distributed as dist
 
 from dflash_mp.topology import Role, Topology
 
+# The process groups' timeout outlives the watchdog (which allows a waiting rank PEER_GRACE_S more,
+# and the launcher's backstop another 10 s): a rank waiting on a peer that stopped making progress
+# must not time out first and be blamed; the watchdog names the peer.
+PROCESS_GROUP_TIMEOUT_MARGIN_S = 120.0
+# Without a watchdog (watchdog.timeout_s=0) the groups' timeout is the only hang detection left:
+# long enough for a slow target load or a long eval, short enough to end a hung job the same day.
+PROCESS_GROUP_TIMEOUT_WITHOUT_WATCHDOG_S = 3600.0
+
 
 @dataclass
 class Job:
@@ -65,6 +73,13 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def process_group_timeout_s(watchdog_timeout_s: float) -> float:
+    """The communication timeout for a job whose watchdog fires after `watchdog_timeout_s` (0: off)."""
+    if watchdog_timeout_s <= 0:
+        return PROCESS_GROUP_TIMEOUT_WITHOUT_WATCHDOG_S
+    return watchdog_timeout_s + PROCESS_GROUP_TIMEOUT_MARGIN_S
+
+
 def init_job(
     topology: Topology, device_request: str, timeout_s: float = 600.0, drafter_group: bool = True
 ) -> Job:
@@ -99,12 +114,19 @@ def shared_run_dir(requested: str, name: str, meta_group) -> str:
     """
     if requested:
         return requested
-    buffer = torch.zeros(4096, dtype=torch.uint8)
-    if dist.get_rank() == 0:
-        chosen = os.path.abspath(f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}").encode()
-        buffer[: len(chosen)] = torch.frombuffer(bytearray(chosen), dtype=torch.uint8)
-    dist.broadcast(buffer, src=0, group=meta_group)
-    return bytes(buffer[buffer != 0].tolist()).decode()
+    chosen = os.path.abspath(f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}") if dist.get_rank() == 0 else ""
+    return broadcast_text(chosen, src=0, group=meta_group)
+
+
+def broadcast_text(text: str, src: int, group, max_bytes: int = 4096) -> str:
+    """Share a short UTF-8 string from `src` with every rank of `group` (a gloo group), as
+    fixed-size bytes: no pickling."""
+    buffer = torch.zeros(max_bytes, dtype=torch.uint8)
+    if dist.get_rank() == src and text:
+        data = text.encode()[:max_bytes]
+        buffer[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(buffer, src=src, group=group)
+    return bytes(buffer[buffer != 0].tolist()).decode(errors="replace")
 
 
 def broadcast_int(value: int, src: int, group) -> int:

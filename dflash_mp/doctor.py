@@ -17,6 +17,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from dflash_mp.config import ConfigError, RootConfig, to_dataclass, validate
+from dflash_mp.launch.processes import zombie_children
+from dflash_mp.rundir import fresh_start_problem
 
 REQUIRED_MODULES = ("torch", "transformers", "safetensors", "hydra", "omegaconf")
 # Enough for logs and a few checkpoints of a small drafter; a real drafter needs more (~16 B/param each).
@@ -55,6 +57,7 @@ def preflight(
             uses_gpu = cfg.train.device != "cpu" and torch.cuda.is_available()
             checks += [check_devices(cfg.train.device, per_node), check_backends(uses_gpu)]
         checks.append(check_target(cfg.model.target_path))
+        checks.append(check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite))
         # A sample of the data through the real tokenizer and template, once they can be read.
         if all(c.ok for c in checks if c.name in ("imports", "config", "target")):
             from dflash_mp.data.preflight import check_data_sample
@@ -186,10 +189,20 @@ def check_disk(run_dir: Path, min_free_gib: float = MIN_FREE_GIB) -> Check:
     return Check("disk", True, f"{free:.0f} GiB free at {existing}")
 
 
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> Check:
+    """A fresh start must not destroy an earlier run's checkpoints and metrics."""
+    problem = fresh_start_problem(Path(run_dir), resume, overwrite)
+    if problem is not None:
+        return Check("run_dir", False, problem)
+    if overwrite:
+        return Check(
+            "run_dir", True, f"warning: train.overwrite=true: {run_dir} is cleared before the job starts"
+        )
+    return Check("run_dir", True, f"{run_dir}: {'resume' if resume else 'fresh start'}")
+
+
 def check_reaper() -> Check:
     """Orphans (a detached job's supervisor, once it ends) are adopted by PID 1, which must reap them."""
-    from dflash_mp.launch import zombie_children
-
     init = Path("/proc/1/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace") or "?"
     zombies = zombie_children(1)
     if zombies:  # a warning: only what ends detached is affected

@@ -5,8 +5,10 @@ All of it lives on the first drafter rank only.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -101,5 +103,14 @@ def _init_wandb(run_dir, logger_cfg, config: dict):
         config=config,
         name=Path(run_dir).name,
         resume="allow",
-        id=Path(run_dir).name.replace("/", "_"),
+        id=wandb_run_id(run_dir),
     )
+
+
+def wandb_run_id(run_dir: str | Path) -> str:
+    """The same id for every attempt of one run directory (a resume continues the wandb run), and
+    different ids for directories of the same name (sweep points `.../0` of different sweeps)."""
+    path = Path(run_dir).resolve()
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:16]
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", path.name)[:48]
+    return f"{name}-{digest}"

@@ -3,11 +3,13 @@
 Under torchrun every process reads the config, takes its role from its global rank and
 runs it. Started without torchrun (plain python, `make train`, a Hydra sweep with -m),
 it launches one local torchrun job per config through dflash_mp.launch and waits.
+Under plain torchrun, rank 0 holds the run directory's lock (dflash_mp.rundir) for the job.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -25,7 +27,7 @@ def run_rank(dict_cfg: DictConfig) -> None:
     """One torchrun worker: set up, run the role, tear down."""
     import torch.distributed as dist
 
-    from dflash_mp.distributed import env_ranks, init_job, shared_run_dir
+    from dflash_mp.distributed import env_ranks, init_job, process_group_timeout_s, shared_run_dir
     from dflash_mp.topology import Topology
 
     watchdog.die_with_agent()
@@ -39,8 +41,17 @@ def run_rank(dict_cfg: DictConfig) -> None:
         sys.exit(EXIT_CONFIG_ERROR)
 
     topology = Topology(cfg.topology.targets, cfg.topology.drafters, cfg.train.grad_accum)
-    job = init_job(topology, cfg.train.device)
+    timeout_s = process_group_timeout_s(cfg.watchdog.timeout_s)
+    job = init_job(topology, cfg.train.device, timeout_s=timeout_s)
     run_dir = Path(shared_run_dir(cfg.run_dir, cfg.name, job.meta_group))
+    _claim_run_dir(cfg, run_dir, job)
+    if job.rank == 0:
+        why = (
+            f"watchdog.timeout_s={cfg.watchdog.timeout_s:g} + margin, so the watchdog fires first"
+            if cfg.watchdog.timeout_s > 0
+            else "watchdog.timeout_s=0: no watchdog, the groups' timeout is the only hang detection"
+        )
+        append_job_log(run_dir, f"process groups time out after {timeout_s:g}s ({why})")
     watchdog.start(run_dir, job.rank, job.role.value, cfg.watchdog.timeout_s)
     try:
         _run_role(cfg, dict_cfg, job, run_dir)
@@ -65,6 +76,37 @@ def run_rank(dict_cfg: DictConfig) -> None:
         append_job_log(run_dir, f"finished: {run_dir}")
 
 
+def _claim_run_dir(cfg, run_dir: Path, job) -> None:
+    """Under plain torchrun (no launcher holds the run directory), rank 0 takes its lock for the
+    life of its process and refuses a fresh start over an earlier run (or clears it with
+    train.overwrite=true); every rank exits with the reason, before any heavy work."""
+    from dflash_mp.distributed import broadcast_text
+    from dflash_mp.launch.processes import JOB_ID_ENV
+    from dflash_mp.rundir import RunDirBusy, clear_run_dir, fresh_start_problem, lock_run_dir
+
+    if os.environ.get(JOB_ID_ENV):  # the launcher's supervisor holds and checked it
+        return
+    problem = ""
+    if job.rank == 0:
+        try:
+            lock_run_dir(run_dir)  # held until this process exits: the fd stays open
+            problem = fresh_start_problem(run_dir, cfg.train.resume, cfg.train.overwrite) or ""
+            if not problem and cfg.train.overwrite:
+                removed = clear_run_dir(run_dir)
+                append_job_log(
+                    run_dir, f"train.overwrite=true: removed the earlier run's {', '.join(removed)}"
+                )
+        except RunDirBusy as e:
+            problem = str(e)
+    problem = broadcast_text(problem, src=0, group=job.meta_group)
+    if problem:
+        print(f"dflash_mp: rank {job.rank}: refused: {problem}", file=sys.stderr, flush=True)
+        import torch.distributed as dist
+
+        dist.destroy_process_group()  # exiting with live gloo groups can abort the interpreter
+        sys.exit(EXIT_CONFIG_ERROR)
+
+
 def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
     from dflash_mp import checkpoint
     from dflash_mp.data import JsonlIndex
@@ -81,6 +123,7 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
         run_target,
         total_steps,
     )
+    from dflash_mp.rundir import CONFIG_HISTORY_NAME, record_config
     from dflash_mp.topology import Role
     from dflash_mp.trainer import DrafterTrainer, resolve_precision
 
@@ -91,13 +134,20 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
             f"started: world {job.world_size} = {job.topology.targets} target(s) + "
             f"{job.topology.drafters} drafter(s) on {job.device.type}",
         )
-        config_path = run_dir / "config.yaml"
-        if not config_path.exists():  # written once; a resumed job keeps the original
-            from dflash_mp.config import run_config
-            from dflash_mp.mask_token import save_run_tokenizer
+        # Written at a fresh start (with train.gamma and model.mask_token_id resolved, and the run's
+        # tokenizer beside it); a resume keeps it and records what it changed next to it.
+        from dflash_mp.config import run_config
+        from dflash_mp.mask_token import save_run_tokenizer
 
-            save_run_tokenizer(cfg.model, run_dir / "tokenizer")  # with the mask token when added
-            OmegaConf.save(run_config(cfg), config_path)
+        resolved = OmegaConf.to_container(run_config(cfg), resolve=True)
+        changes = record_config(run_dir, resolved, cfg.train.resume)
+        save_run_tokenizer(cfg.model, run_dir / "tokenizer")  # once; with the mask token when added
+        if changes:
+            listed = "; ".join(f"{key}: {c['old']!r} -> {c['new']!r}" for key, c in changes.items())
+            append_job_log(
+                run_dir,
+                f"resumed with a config that differs from config.yaml ({listed}): see {CONFIG_HISTORY_NAME}",
+            )
     log.info("role %s on %s, run_dir %s", job.role.value, job.device, run_dir)
 
     index = JsonlIndex(list(cfg.data.train_files))
@@ -196,7 +246,7 @@ def main(dict_cfg: DictConfig) -> int:
         # traceback must reach torchrun's error file before that.
         record(run_rank)(dict_cfg)
         return 0
-    from dflash_mp.launch import launch_from_hydra
+    from dflash_mp.launch.sweep import launch_from_hydra
 
     return launch_from_hydra(dict_cfg)
 

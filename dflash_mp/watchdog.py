@@ -5,8 +5,8 @@
   RUN_DIR/heartbeats/rank{r}.json every second and ends the process with EXIT_HUNG when the
   rank has made no progress for `watchdog.timeout_s`. The launcher reads the same files, so
   a rank whose threads cannot run at all (SIGSTOP, a C call holding the GIL) is caught too.
-- **Stop requests.** SIGTERM and SIGUSR1 (what torchrun forwards and SLURM sends before a
-  preemption or the time limit) only set a flag. Drafter ranks agree on it at the next
+- **Stop requests.** SIGTERM, SIGUSR1 and SIGUSR2 (what torchrun forwards and SLURM or submitit
+  send before a preemption or the time limit) only set a flag. Drafter ranks agree on it at the next
   optimizer-step boundary, the first drafter checkpoints and writes RUN_DIR/PREEMPTED, and
   they exit with EXIT_PREEMPTED; target ranks keep serving micro-batches until then.
 - **Fault injection (a test hook).** DFLASH_MP_FAULT="rank=R,step=S,kind=raise|exit|hang"
@@ -35,14 +35,14 @@ from dflash_mp.logs import append_job_log, get_logger
 
 # A rank that made no progress for watchdog.timeout_s (in-process watchdog or launcher).
 EXIT_HUNG = 3
-# The first drafter wrote a checkpoint after a SIGTERM/SIGUSR1: requeue with train.resume=true
+# The first drafter wrote a checkpoint after a stop signal: requeue with train.resume=true
 # (75 is EX_TEMPFAIL in sysexits.h: "try again later").
 EXIT_PREEMPTED = 75
 # kind=exit of DFLASH_MP_FAULT: a rank that vanishes without a Python traceback.
 FAULT_EXIT_CODE = 13
 
 FAULT_ENV = "DFLASH_MP_FAULT"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 WRITE_INTERVAL_S = 1.0
 # Phases that wait on another rank. A rank waiting on a stuck peer is reported this much later
 # than the peer itself, so the job log names the rank that is stuck, not the ones waiting for it.
@@ -190,7 +190,7 @@ _stop_signal: str | None = None
 
 
 def start(run_dir: str | Path, rank: int, role: str, timeout_s: float) -> Heartbeat:
-    """Start this rank's heartbeat thread, take SIGTERM/SIGUSR1 as stop requests, arm the fault hook."""
+    """Start this rank's heartbeat thread, take STOP_SIGNALS as stop requests, arm the fault hook."""
     global _current, _fault
     spec = os.environ.get(FAULT_ENV)
     fault = Fault(spec) if spec else None

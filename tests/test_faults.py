@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_mp.config import compose_config, to_dataclass
-from dflash_mp.launch import EXIT_FAILED, group_members, job_processes, read_job_state
+from dflash_mp.launch.outcome import EXIT_FAILED, read_job_state
+from dflash_mp.launch.processes import group_members, job_processes
 from dflash_mp.watchdog import EXIT_HUNG, EXIT_PREEMPTED, FAULT_ENV, FAULT_EXIT_CODE, read_heartbeats
 from tests.conftest import REPO, job_env, read_metrics, run_train
 
@@ -175,15 +176,19 @@ def test_a_stopped_rank_is_caught_by_the_launcher_watchdog(launch):
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_and_the_resumed_job_ends_with_the_uninterrupted_weights(launch):
-    steps = 400  # long enough that the job is still running when SIGTERM comes
+def test_a_stop_signal_checkpoints_and_the_resumed_job_ends_with_the_uninterrupted_weights(launch):
+    """SIGUSR2 here, what submitit's SLURM jobs get before the time limit: it stops the job like
+    SIGTERM and SIGUSR1 (SIGTERM: the detached job's `stop` in test_launch)."""
+    steps = 400  # long enough that the job is still running when the signal comes
     args = (f"train.max_steps={steps}", "train.checkpoint_every=0")
     job = launch("preempted", *args)
     job.wait_for_step(3)
-    os.killpg(job.proc.pid, signal.SIGTERM)  # as SLURM and `launch stop` do: torchrun passes it on
+    os.killpg(job.proc.pid, signal.SIGUSR2)  # to the whole group, as SLURM does: torchrun passes it on
     assert job.wait(timeout=120) == EXIT_PREEMPTED
     job.assert_nothing_left()
-    stopped_at = json.loads((job.run_dir / "PREEMPTED").read_text())["step"]
+    marker = json.loads((job.run_dir / "PREEMPTED").read_text())
+    assert marker["signal"] == "SIGUSR2"
+    stopped_at = marker["step"]
     assert 3 <= stopped_at < steps
     assert (job.run_dir / "checkpoints" / f"step_{stopped_at:08d}" / "drafter.safetensors").is_file()
     assert "job PREEMPTED: exit code 75" in last_lines(job.run_dir, 1)
@@ -197,3 +202,27 @@ def test_sigterm_checkpoints_and_the_resumed_job_ends_with_the_uninterrupted_wei
     assert resumed.keys() == expected.keys()
     for name in resumed:
         assert torch.equal(resumed[name], expected[name]), name
+
+
+def _phase(run_dir: Path, rank: int) -> str | None:
+    beat = read_heartbeats(run_dir).get(rank)
+    return beat["phase"] if beat else None
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_the_first_drafter_evaluates_is_a_failure_not_a_preemption(launch):
+    """torchrun's teardown SIGTERMs the survivors; the first drafter, done evaluating, takes it for a
+    stop request and checkpoints. Still rank 0's failure: exit 1, no PREEMPTED marker to requeue on."""
+    job = launch(
+        "kill-in-eval", "train.max_steps=1000", "eval.every=2", "topology.targets=1", "topology.drafters=1"
+    )
+    wait_until(lambda: _phase(job.run_dir, 1) == "eval" or job.proc.poll() is not None, 120, "an evaluation")
+    os.kill(job.rank_pid(0), signal.SIGKILL)
+    assert job.wait(timeout=90) == EXIT_FAILED
+    job.assert_nothing_left()
+    last = last_lines(job.run_dir, 1)
+    assert "job FAILED: exit code 1" in last, last
+    assert "first failure: rank 0 (target) died without a Python traceback (killed by SIGKILL)" in last
+    assert not (job.run_dir / "PREEMPTED").exists()
+    # The communication timeout follows the watchdog (900 s by default), so the watchdog fires first.
+    assert "process groups time out after 1020s" in (job.run_dir / "logs" / "job.log").read_text()

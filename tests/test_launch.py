@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from dflash_mp import doctor, launch
+from dflash_mp import doctor
 from dflash_mp.config import compose_config
 from dflash_mp.embedded import embedded_path
+from dflash_mp.launch import outcome, processes, supervisor
 from dflash_mp.watchdog import EXIT_PREEMPTED
 from tests.conftest import REPO, job_env, read_metrics
 from tests.test_faults import FAST, last_lines, leftovers, wait_until
@@ -46,7 +47,7 @@ def test_a_bad_config_fails_before_any_worker_naming_every_field(tmp_path, entry
         text=True,
         timeout=60,
     )
-    assert proc.returncode == launch.EXIT_PREFLIGHT, proc.stderr
+    assert proc.returncode == outcome.EXIT_PREFLIGHT, proc.stderr
     assert time.monotonic() - started < 15
     for field in ("train.micro_batch_size=0", "data.train_files[0]="):
         assert field in proc.stderr
@@ -55,7 +56,7 @@ def test_a_bad_config_fails_before_any_worker_naming_every_field(tmp_path, entry
     # No worker ever started: no torchrun logs, no rank logs, no heartbeats.
     assert not (run / "logs" / "torchrun").exists() and not (run / "heartbeats").exists()
     assert not list((run / "logs").glob("rank*.log"))
-    assert launch.read_job_state(run)["exit_code"] == launch.EXIT_PREFLIGHT
+    assert outcome.read_job_state(run)["exit_code"] == outcome.EXIT_PREFLIGHT
 
 
 def test_doctor_names_a_busy_port_and_a_target_without_weights(tmp_path):
@@ -88,11 +89,11 @@ def _heartbeat(run_dir, stop_requested: str | None) -> None:
 def test_the_supervisor_passes_sigterm_on_only_when_no_rank_got_it(tmp_path, monkeypatch, ranks_got_it):
     """`kill SUPERVISOR` or `docker stop` reach the supervisor alone: it passes the signal on to
     torchrun. A signal to the whole process group reached torchrun already: no second one."""
-    monkeypatch.setattr(launch, "FORWARD_AFTER_S", 0.0)
+    monkeypatch.setattr(supervisor, "FORWARD_AFTER_S", 0.0)
     _heartbeat(tmp_path, "SIGTERM" if ranks_got_it else None)
     agent = subprocess.Popen(["sleep", "60"])
     try:
-        monitor = launch.JobMonitor(tmp_path, agent, job_id="none")
+        monitor = supervisor.JobMonitor(tmp_path, agent, job_id="none")
         monitor.on_signal(signal.SIGTERM, None)
         monitor.poll()
         if ranks_got_it:
@@ -113,9 +114,9 @@ def _steps_done(run) -> int:
 def adopt_orphans():
     """This process adopts orphans and must reap them, as an init that reaps does (docker --init)."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl
-    prctl(launch.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    prctl(processes.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     yield
-    prctl(launch.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    prctl(processes.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 @pytest.mark.slow
@@ -133,7 +134,7 @@ def test_a_detached_job_outlives_its_shell_and_obeys_status_and_stop(tmp_path, a
         start_new_session=True,
     )
     out, err = shell.communicate(timeout=60)
-    state = launch.read_job_state(run)
+    state = outcome.read_job_state(run)
     try:
         assert shell.returncode == 0, err
         assert f"RUN_DIR={run}" in out and "started: supervisor pid" in out
@@ -145,6 +146,13 @@ def test_a_detached_job_outlives_its_shell_and_obeys_status_and_stop(tmp_path, a
         wait_until(lambda: _steps_done(run) >= 3, 120, "training to start")
         before = _steps_done(run)
         wait_until(lambda: _steps_done(run) > before + 2, 60, "training to go on without its shell")
+
+        # One job per run directory: a second start is refused at once, naming the supervisor.
+        second = launch_cli("start", *args)
+        assert second.returncode == outcome.EXIT_PREFLIGHT
+        assert f"pid {supervisor} on host {socket.gethostname()}" in second.stderr, second.stderr
+        assert outcome.read_job_state(run)["pid"] == supervisor
+        assert len(list((run / "logs" / "torchrun").iterdir())) == 1  # no second torchrun
 
         status = launch_cli("status", str(run))
         assert status.returncode == 0, status.stderr
@@ -209,10 +217,11 @@ def test_two_torchrun_agents_on_loopback_train_as_two_nodes(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_sweep_runs_each_job_as_its_own_torchrun_job(tmp_path):
+def test_a_sweep_runs_each_job_as_its_own_torchrun_job_past_a_failed_point(tmp_path):
+    """Point 1 fails its preflight; point 2 still runs, and the summary lists every point."""
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash_mp.train", "-m", "optim.lr=1e-4,6e-4", "train.max_steps=2"]
+        [sys.executable, "-m", "dflash_mp.train", "-m", "optim.lr=1e-4,-1,6e-4", "train.max_steps=2"]
         + ["topology.targets=1", "topology.drafters=1", *FAST],
         cwd=REPO,
         env=job_env() | {"DFLASH_SWEEP_DIR": str(sweep)},
@@ -220,15 +229,22 @@ def test_a_sweep_runs_each_job_as_its_own_torchrun_job(tmp_path):
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == outcome.EXIT_FAILED, proc.stdout[-3000:] + proc.stderr[-3000:]
     job_ids = set()
-    for num, lr in enumerate(("0.0001", "0.0006")):
+    for num, lr in ((0, "0.0001"), (2, "0.0006")):
         run = sweep / str(num)
         assert f"lr: {lr}" in (run / "config.yaml").read_text()
         assert [r["step"] for r in read_metrics(run)] == [1, 2]
         assert "job succeeded: exit code 0" in last_lines(run, 1)
-        job_ids.add(launch.read_job_state(run)["job_id"])
+        job_ids.add(outcome.read_job_state(run)["job_id"])
     assert len(job_ids) == 2
+    assert outcome.read_job_state(sweep / "1")["exit_code"] == outcome.EXIT_PREFLIGHT
+    summary = (sweep / "summary.txt").read_text()
+    assert summary in proc.stdout and "1 of 3 point(s) failed" in summary
+    rows = {line.split()[0]: line.split() for line in summary.splitlines()[2:]}
+    assert rows["0"][1:4] == ["succeeded", "0", str(sweep / "0")] and "optim.lr=0.0001" in rows["0"]
+    assert rows["1"][1:4] == ["not-started", "2", str(sweep / "1")] and "optim.lr=-1" in rows["1"]
+    assert rows["2"][1:4] == ["succeeded", "0", str(sweep / "2")]
 
 
 @pytest.mark.slow
@@ -263,3 +279,177 @@ def test_the_sbatch_script_trains_with_stand_ins_for_srun_and_scontrol(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
     assert "job succeeded: exit code 0" in last_lines(run, 1)
+
+
+def _earlier_run(run_dir) -> str:
+    """What a finished run leaves: checkpoints and metrics (their content does not matter here)."""
+    (run_dir / "checkpoints" / "step_00000005").mkdir(parents=True)
+    metrics = '{"step": 5, "loss": 2.0, "lr": 0.001}\n'
+    (run_dir / "metrics.jsonl").write_text(metrics)
+    return metrics
+
+
+@pytest.mark.parametrize("entry", ["dflash_mp.launch run", "torchrun"])
+def test_a_fresh_start_in_a_used_run_dir_is_refused_before_any_worker_works(tmp_path, entry):
+    """Without train.resume=true a used run directory is left alone, by the launcher and by plain
+    torchrun alike (there every rank exits with the reason, code 2, before loading anything)."""
+    run = tmp_path / "used"
+    metrics = _earlier_run(run)
+    job = ["topology.targets=1", "topology.drafters=1", f"run_dir={run}", *FAST]
+    if entry == "torchrun":
+        command = [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "dflash_mp.train",
+        ]
+    else:
+        command = ["-m", *entry.split()]
+    proc = subprocess.run(
+        [sys.executable, *command, *job], cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=120
+    )
+    output = proc.stdout + proc.stderr
+    if entry == "torchrun":
+        # Every rank exits 2 with the reason (torchrun may end the slower one first).
+        assert proc.returncode != 0 and "exitcode  : 2" in output, output[-3000:]
+        assert "dflash_mp: rank 0: refused: run_dir=" in output
+    else:
+        assert proc.returncode == outcome.EXIT_PREFLIGHT, output[-3000:]
+    assert f"run_dir={run} holds an earlier run" in output
+    for way_out in ("train.resume=true", "a new run_dir", "train.overwrite=true"):
+        assert way_out in output
+    assert (run / "metrics.jsonl").read_text() == metrics  # not truncated
+    assert (run / "checkpoints" / "step_00000005").is_dir() and not (run / "config.yaml").exists()
+    assert not list((run / "logs").glob("rank*.log")) and not (run / "heartbeats").exists()
+    if entry == "torchrun":
+        return
+    # The explicit way out: train.overwrite=true clears the earlier run first; job.log keeps its story.
+    rerun = subprocess.run(
+        [sys.executable, *command, *job, "train.overwrite=true", "train.max_steps=2"],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000002"]
+    log = (run / "logs" / "job.log").read_text()
+    assert "holds an earlier run" in log and "train.overwrite=true: removed the earlier run's" in log
+
+
+def test_a_second_job_on_a_run_dir_is_refused_at_once_naming_the_holder(tmp_path):
+    from tests.test_rundir import hold_lock
+
+    run = tmp_path / "taken"
+    holder = hold_lock(run)
+    try:
+        started = time.monotonic()
+        proc = launch_cli("start", f"run_dir={run}", "topology.targets=1", "topology.drafters=1", *FAST)
+        assert proc.returncode == outcome.EXIT_PREFLIGHT
+        assert time.monotonic() - started < 30
+        assert f"pid {holder.pid} on host {socket.gethostname()}" in proc.stderr, proc.stderr
+        assert not (run / "job.json").exists() and not (run / "logs").exists()  # the holder's files untouched
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_sweep_point_requeued_after_a_preemption_resumes(tmp_path):
+    from dflash_mp.launch.sweep import resume_if_preempted
+
+    run, overrides = tmp_path / "3", ["optim.lr=6e-4"]
+    cfg = compose_config(overrides)
+    assert not resume_if_preempted(run, cfg, overrides) and not cfg.train.resume
+    run.mkdir()
+    (run / "PREEMPTED").write_text(json.dumps({"step": 4, "signal": "SIGUSR2"}))
+    assert resume_if_preempted(run, cfg, overrides)
+    assert cfg.train.resume and overrides == ["optim.lr=6e-4", "train.resume=true"]
+
+
+FAKE_SRUN = """
+import json, os, signal, sys, time
+from pathlib import Path
+
+args = sys.argv[1:]
+Path(os.environ["FAKE_SRUN_ARGS"]).write_text(json.dumps(args))
+run_dir = Path(next(a.split("=", 1)[1] for a in args if a.startswith("run_dir=")))
+got = []
+signal.signal(signal.SIGUSR1, lambda sig, frame: got.append(sig))
+(run_dir / "heartbeats").mkdir(parents=True, exist_ok=True)
+
+
+def beat(rank, role, state, at):
+    fields = dict(rank=rank, role=role, host="node", pid=1, state=state, phase="receive", step=4)
+    fields |= dict(progress_at=at, written_at=at, timeout_s=900, stop_requested=None, error=None)
+    (run_dir / "heartbeats" / f"rank{rank}.json").write_text(json.dumps(fields))
+
+
+now = time.time()
+if os.environ["FAKE_SCENARIO"] == "failure":
+    beat(0, "target", "running", now - 5)  # SIGKILLed: its heartbeat stopped there
+    beat(1, "drafter", "preempted", now)  # torchrun's teardown SIGTERM: it checkpointed
+    signal_name = "SIGTERM"
+else:  # SLURM's warning before the time limit reaches the batch script, which passes it on
+    os.kill(os.getppid(), signal.SIGUSR1)
+    deadline = time.time() + 30
+    while not got and time.time() < deadline:
+        time.sleep(0.05)
+    beat(0, "target", "stopped", time.time())
+    beat(1, "drafter", "preempted", time.time())
+    signal_name = "SIGUSR1" if got else "none"
+(run_dir / "PREEMPTED").write_text(json.dumps({"step": 4, "signal": signal_name}))
+sys.exit(1)  # torchrun's exit code whenever a worker did not exit 0
+"""
+
+
+@pytest.mark.parametrize(
+    "scenario, attempt, code, requeued",
+    [("failure", 0, outcome.EXIT_FAILED, False), ("preemption", 0, 75, True), ("preemption", 3, 75, False)],
+)
+def test_the_sbatch_script_requeues_only_a_real_preemption_and_only_so_often(
+    tmp_path, scenario, attempt, code, requeued
+):
+    """launch/slurm.sbatch's decisions, with srun standing in for a job that a rank failure tore down
+    (the survivors checkpointed and wrote PREEMPTED) or that SLURM's USR1 stopped."""
+    bin_dir, run = tmp_path / "bin", tmp_path / "slurm-run"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!{sys.executable}\n{FAKE_SRUN}")
+    (bin_dir / "scontrol").write_text(
+        f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol.log\n'
+        '[ "$1 $2" = "show hostnames" ] && echo localhost\nexit 0\n'
+    )
+    # The preflight is tested elsewhere: here it passes at once.
+    (bin_dir / "python").write_text(f'#!/bin/bash\n[ "$3" = doctor ] && exit 0\nexec {sys.executable} "$@"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = job_env() | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python")}
+    env |= dict(
+        SLURM_JOB_ID="4242", SLURM_JOB_NAME="dflash", SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost"
+    )
+    env |= dict(
+        SLURM_RESTART_COUNT=str(attempt), SLURM_CPUS_PER_TASK="12", GPUS_PER_NODE="2", RUN_DIR=str(run)
+    )
+    env |= dict(FAKE_SCENARIO=scenario, FAKE_SRUN_ARGS=str(tmp_path / "srun.json"))
+    proc = subprocess.run(
+        ["bash", "launch/slurm.sbatch", "topology.targets=1", "topology.drafters=1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
+    scontrol = (tmp_path / "scontrol.log").read_text()
+    assert ("requeue 4242" in scontrol) == requeued, scontrol
+    log = (run / "logs" / "job.log").read_text()
+    assert "--cpus-per-task=12" in json.loads((tmp_path / "srun.json").read_text())  # all CPUs to the step
+    if scenario == "failure":
+        assert "job FAILED: exit code 1" in log and "first failure: rank 0 (target) died" in log, log
+        assert not (run / "PREEMPTED").exists()
+    else:
+        assert "batch script: got SIGUSR1" in log and "job PREEMPTED: exit code 75" in log, log
+        assert requeued or "not requeueing: this was attempt 3 and MAX_REQUEUES=3" in log

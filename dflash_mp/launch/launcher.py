@@ -1,0 +1,79 @@
+"""One job from a config: take the run directory, announce it, preflight, then supervise or detach."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from dflash_mp import doctor
+from dflash_mp.launch.detached import start_detached
+from dflash_mp.launch.outcome import EXIT_PREFLIGHT, Outcome, write_outcome
+from dflash_mp.launch.supervisor import supervise
+from dflash_mp.logs import append_job_log, job_log_path
+from dflash_mp.rundir import RunDirBusy, RunDirLock, clear_run_dir, lock_run_dir
+
+
+def default_run_dir(name: str) -> Path:
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def holding_run_dir(run_dir: Path, body: Callable[[RunDirLock], int]) -> int:
+    """Run `body` holding the run directory's lock; refuse at once (exit 2, touching nothing of
+    the other job) when another job holds it."""
+    try:
+        lock = lock_run_dir(run_dir)
+    except RunDirBusy as e:
+        print(f"dflash_mp: refused: {e}", file=sys.stderr, flush=True)
+        return EXIT_PREFLIGHT
+    try:
+        return body(lock)
+    finally:
+        lock.release()  # a supervisor started from `body` keeps its own share of the lock
+
+
+def announce(run_dir: Path) -> None:
+    """The run directory and its job log exist, and the user knows where, before anything can fail."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    append_job_log(run_dir, f"run directory {run_dir} on {socket.gethostname()}")
+    print(f"RUN_DIR={run_dir}\nJOB_LOG={job_log_path(run_dir)}", flush=True)
+
+
+def preflight_failure(run_dir: Path, problems: list[str], started: float) -> int:
+    """Report preflight problems on stderr and in job.log; the exit code of a job that never started."""
+    text = "\n".join(f"  - {p}" for p in problems)
+    print(f"dflash_mp: preflight failed, no worker was started:\n{text}", file=sys.stderr, flush=True)
+    summary = "preflight failed, no worker was started: " + "; ".join(problems)
+    write_outcome(run_dir, Outcome("failed", EXIT_PREFLIGHT, summary), time.monotonic() - started)
+    return EXIT_PREFLIGHT
+
+
+def launch(dict_cfg: DictConfig, overrides: list[str], run_dir: Path, detach: bool = False) -> int:
+    """Take the run directory, announce, preflight, then run one job in the foreground or start it detached."""
+    return holding_run_dir(run_dir, lambda lock: _launch(dict_cfg, overrides, run_dir, lock, detach))
+
+
+def _launch(dict_cfg: DictConfig, overrides: list[str], run_dir: Path, lock: RunDirLock, detach: bool) -> int:
+    started = time.monotonic()
+    announce(run_dir)
+    checks = doctor.preflight(dict_cfg, run_dir)
+    bad = doctor.failed(checks)
+    if bad:
+        return preflight_failure(run_dir, [f"{c.name}: {c.message}" for c in bad], started)
+    for warning in (c for c in checks if c.message.startswith("warning:")):
+        print(f"dflash_mp: {warning.name}: {warning.message}", file=sys.stderr, flush=True)
+        append_job_log(run_dir, f"preflight {warning.name}: {warning.message}")
+    append_job_log(run_dir, f"preflight: {len(checks)} checks passed")
+    if dict_cfg.train.get("overwrite", False):
+        removed = clear_run_dir(run_dir)
+        append_job_log(
+            run_dir, f"train.overwrite=true: removed the earlier run's {', '.join(removed) or 'nothing'}"
+        )
+    targets, drafters = int(dict_cfg.topology.targets), int(dict_cfg.topology.drafters)
+    if detach:
+        return start_detached(run_dir, targets + drafters, targets, overrides, lock)
+    return supervise(run_dir, targets + drafters, targets, overrides, echo=True, lock=lock)
