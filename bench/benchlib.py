@@ -136,7 +136,7 @@ class SyntheticReader:
         self.loss_mask = torch.zeros(micro_batch, shape.seq_len, dtype=torch.uint8)
         self.loss_mask[:, shape.seq_len // 2 :] = 1
         self.lengths = torch.full((micro_batch,), shape.seq_len, dtype=torch.long)
-        self.bad_records = 0
+        self.bad_records = self.too_long_records = 0  # the counters run_target reads
 
     def read(self, m: int) -> MicroBatch:
         b = self.micro_batch
