@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from dflash_mp.data import load_tokenizer, tokenize_chat
 from dflash_mp.models.target import TargetFeatureExtractor, load_embedding_and_head
-from tests.conftest import run_train
+from tests.conftest import read_metrics, run_train
 from tests.stock_qwen3 import QWEN3_ADDED_TOKENS, qwen_reference_encoding
 
 TEXTS = [
@@ -79,38 +79,89 @@ def test_embedding_head_and_feature_extractor_load_the_full_vocabulary(stock_qwe
     assert features.shape == (1, 5, 64) and torch.isfinite(features).all()
 
 
+SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+def _sharegpt(messages: list[dict], reasoning: list[str] | None = None) -> str:
+    """A conversation as a ShareGPT line; assistant turns get `reasoning` inline as <think>...</think>."""
+    turns, answers = [], iter(reasoning or [])
+    for message in messages:
+        value = message["content"]
+        if message["role"] == "assistant" and reasoning is not None:
+            value = f"<think>\n{next(answers)}\n</think>\n\n{value}"
+        turns.append({"from": SHAREGPT_ROLES[message["role"]], "value": value})
+    return json.dumps({"conversations": turns})
+
+
+def _sharegpt_data_with_thinking(target: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """Training data as a user switching from SpecForge has it: ShareGPT records with inline
+    thinking, whose answers the target itself wrote (`python -m dflash_mp.regenerate`); and
+    held-out ShareGPT prompts."""
+    from dflash_mp.embedded import embedded_path
+    from dflash_mp.regenerate import main as regenerate
+
+    source = embedded_path("data/train.jsonl").read_text().splitlines()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(source[:200]) + "\n")
+    regenerated = tmp_path / "regenerated.jsonl"
+    args = ["--input", str(prompts), "--output", str(regenerated), "--target", str(target)]
+    args += ["--work-dir", str(tmp_path / "parts"), "--max-length", "256", "--max-new-tokens", "16"]
+    assert regenerate([*args, "--batch-size", "32"]) == 0
+    train = tmp_path / "train_sharegpt.jsonl"
+    with open(train, "w") as out:
+        for original, answered in zip(source, regenerated.read_text().splitlines(), strict=False):
+            # The original human answers become the reasoning; the target's answers follow it.
+            thoughts = [m["content"] for m in json.loads(original)["messages"] if m["role"] == "assistant"]
+            out.write(_sharegpt(json.loads(answered)["messages"], thoughts) + "\n")
+    held_out = tmp_path / "eval_sharegpt.jsonl"
+    held_out.write_text("".join(_sharegpt(json.loads(line)["messages"]) + "\n" for line in source[200:208]))
+    return train, held_out
+
+
 @pytest.mark.slow
-def test_a_stock_target_trains_under_torchrun_and_every_checkpoint_exports(
-    stock_qwen3_target: Path, tmp_path: Path
+def test_a_stock_target_with_sharegpt_thinking_data_gives_a_drafter_dflash_decodes(
+    stock_qwen3_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """No hand edits: the stock directory trains, the run keeps its tokenizer with the added mask
-    token, and every retained checkpoint exports in one command to what the reference loads."""
+    """Issue 12's end-to-end path with no hand edits: a stock Qwen3 directory (no <|MASK|>) and
+    ShareGPT data with thinking train under torchrun; the run keeps its tokenizer with the added
+    mask token; every retained checkpoint exports in one command; the export loads in the
+    reference `dflash` 0.1.0 and its `dflash_generate` accepts drafted tokens (tau > 1)."""
+    import time
+
     from dflash import model as reference
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from dflash_mp.eval import main as eval_main
+    from dflash_mp.eval import load_prompts, load_target_model, stop_token_ids
     from dflash_mp.export import main as export_main
 
+    train, held_out = _sharegpt_data_with_thinking(stock_qwen3_target, tmp_path)
     run = tmp_path / "run"
     run_train(
         run,
         f"model.target_path={stock_qwen3_target}",
-        "model.target_layer_ids=[1,2]",
+        "model.target_layer_ids=[1,3]",
         "topology=1t1d",
-        "train.max_steps=4",
-        "train.checkpoint_every=2",
-        "train.micro_batch_size=2",
+        "train.max_steps=100",
+        "train.checkpoint_every=50",
+        "train.micro_batch_size=4",
         "train.gamma=null",
+        "optim.lr=2e-2",
+        f"data.train_files=[{train}]",
+        f"data.eval_files=[{held_out}]",
         "data.max_length=256",
+        "data.num_anchors=16",
         "eval.every=0",
+        timeout=900,
     )
+    metrics = read_metrics(run)
+    assert sum(m["bad_records"] for m in metrics) == 0  # every ShareGPT record with thinking was used
     saved = OmegaConf.load(run / "config.yaml")
     assert (saved.model.mask_token_id, saved.train.gamma) == (151669, 4.0)
     tokenizer = AutoTokenizer.from_pretrained(str(run / "tokenizer"), local_files_only=True)
     assert tokenizer.convert_tokens_to_ids("<|MASK|>") == 151669
     steps = sorted(int(p.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*"))
-    assert steps == [2, 4]
+    assert steps == [50, 100]
     for step in steps:
         out = tmp_path / f"export-{step}"
         assert export_main([str(run), "--step", str(step), "--out", str(out), "--dtype", "float32"]) == 0
@@ -118,10 +169,21 @@ def test_a_stock_target_trains_under_torchrun_and_every_checkpoint_exports(
         assert (drafter.block_size, drafter.mask_token_id) == (8, 151669)
         trained = load_file(run / "checkpoints" / f"step_{step:08d}" / "drafter.safetensors")
         assert torch.equal(drafter.fc.weight, trained["fc.weight"])
-    final = reference.DFlashDraftModel.from_pretrained(str(run / "export"))
-    assert final.mask_token_id == 151669
-    # Speculative decoding with the full 151936-row LM head on CPU.
-    args = [str(run), "--num-prompts", "1", "--max-new-tokens", "6", "--device", "cpu"]
-    assert eval_main(args) == 0
-    result = json.loads((run / "eval.json").read_text())
-    assert result["tau"] >= 1.0 and result["matches_autoregressive"]
+
+    # The reference decodes the run's own export (bf16 on disk) against the stock target.
+    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)  # it times with CUDA syncs
+    drafter, info = reference.DFlashDraftModel.from_pretrained(
+        str(run / "export"), dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    target_tokenizer = load_tokenizer(stock_qwen3_target)
+    target = load_target_model(stock_qwen3_target, torch.float32, "cpu")
+    stops = stop_token_ids(target_tokenizer, target)
+    accepted = []
+    for prompt in load_prompts([held_out], target_tokenizer, limit=4):
+        result = reference.dflash_generate(
+            drafter.eval(), target, torch.tensor([prompt.input_ids]), 16, stops, return_stats=True
+        )
+        accepted += result.acceptance_lengths
+    tau = sum(accepted) / len(accepted)
+    assert tau > 1.0, accepted
