@@ -31,6 +31,7 @@ import time
 PROCESS_START = time.perf_counter()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import itertools  # noqa: E402
 import os  # noqa: E402
@@ -103,6 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--peer-grace", type=float, default=30.0, help="s to wait on a peer that reported a failure"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, help="draft block size (default: the shape's, 16 on GPU shapes)")
     p.add_argument(
         "--override", action="append", default=[], help="Hydra override for the config (repeatable)"
     )
@@ -206,6 +208,8 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.shape = bl.SHAPES[args.shape]
+        if args.block_size:
+            self.shape = dataclasses.replace(self.shape, block_size=args.block_size)
         self.topology = Topology(targets=1, drafters=1, grad_accum=args.grad_accum)
         world = int(os.environ.get("WORLD_SIZE", "0"))
         if world not in (1, 2):
@@ -524,7 +528,7 @@ class Bench:
         }
 
     def _new_trainer(self, group) -> DrafterTrainer:
-        drafter = bl.random_drafter(self.shape, self.device, seed=self.args.seed)
+        drafter = bl.random_drafter(self.shape, self.device, seed=self.args.seed, model_cfg=self.cfg.model)
         embed_and_head = bl.random_embed_and_head(self.shape, self.dtype, self.device, seed=self.args.seed)
         return DrafterTrainer(
             self.cfg,

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,8 @@ from transformers import Qwen3Config
 from dflash_mp.block_diffusion import block_labels, sample_anchors
 from dflash_mp.config import RootConfig, compose_config, default_target_layer_ids, to_dataclass
 from dflash_mp.data import MicroBatch
-from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_mp.models.dflash2 import GroupedDynamicConv
+from dflash_mp.models.drafter import DFLASH2_FIELDS, DFlashDrafter, build_drafter_config
 from dflash_mp.models.target import TargetFeatureExtractor
 from dflash_mp.transport import Features, pack_tokens, unpack_tokens
 
@@ -198,6 +200,13 @@ class DeviceInitDrafter(DFlashDrafter):
                     module.bias.zero_()
             elif isinstance(module, Qwen3RMSNorm):
                 module.weight.fill_(1.0)
+        # DFlash 2: the convolutions start as the identity, the selector as a no-op (as in training).
+        for module in self.modules():
+            if isinstance(module, GroupedDynamicConv):
+                module.reset_to_identity()
+        if self.candidate_selector is not None:
+            self.candidate_selector.predecessor_codebook.normal_(0.0, std)
+            self.candidate_selector.successor_codebook.zero_()
 
 
 @contextmanager
@@ -208,13 +217,17 @@ def seeded(device: torch.device, seed: int) -> Iterator[None]:
         yield
 
 
-def random_drafter(shape: Shape, device: torch.device, seed: int) -> DFlashDrafter:
+def random_drafter(shape: Shape, device: torch.device, seed: int, model_cfg: Any = None) -> DFlashDrafter:
+    """`model_cfg` (cfg.model) picks the architecture, DFlash or DFlash 2 with its fields."""
+    arch = model_cfg.arch if model_cfg is not None else "dflash"
     config = build_drafter_config(
         shape.target_config(),
         draft_layers=shape.draft_layers,
         target_layer_ids=shape.layer_ids,
         block_size=shape.block_size,
         mask_token_id=shape.vocab - 1,
+        arch=arch,
+        dflash2={key: getattr(model_cfg, key) for key in DFLASH2_FIELDS} if arch == "dflash2" else None,
     )
     with seeded(device, seed), device:
         return DeviceInitDrafter(config, seed=seed)
