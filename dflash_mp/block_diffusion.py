@@ -1,7 +1,7 @@
 """DFlash block-diffusion training math: anchors, draft blocks, the block-sparse mask, the loss.
 
 The drafter is trained exactly the way the reference inference (`dflash.dflash_generate`,
-DESIGN.md §3) reads it. At inference, after the target accepted tokens up to position p,
+docs/DESIGN.md §3) reads it. At inference, after the target accepted tokens up to position p,
 the drafter gets the block `[token at p, MASK x (Bs-1)]` at positions p..p+Bs-1, the
 target's features of positions < p (its KV cache is cropped to p), and its output at block
 index k >= 1 is the guess for the token at position p+k. Training replays that situation
@@ -63,7 +63,7 @@ def anchor_keys(seed: int, epoch: int, sample_ids: Tensor, seq_len: int) -> Tens
     """[B, S] int64 pseudo-random keys in [0, 2**32), a pure function of (seed, epoch, sample, position).
 
     Anchors therefore depend on the record only, never on the topology or batch composition
-    (DESIGN.md §2 determinism), and are fresh each epoch (§3).
+    (docs/DESIGN.md §2 determinism), and are fresh each epoch (§3).
     """
     ids = sample_ids.long()
     stream = _mix32(torch.full_like(ids, seed & _MASK32))
@@ -151,7 +151,7 @@ def block_labels(
     """Labels [B,N,Bs] and loss weights [B,N,Bs] float32.
 
     The label at block index k is x[a + k], NOT x[a + k + 1]: the block's first slot already
-    holds x[a], and inference reads output k as the token at p + k (DESIGN.md §3). Index 0 has
+    holds x[a], and inference reads output k as the token at p + k (docs/DESIGN.md §3). Index 0 has
     nothing to predict (weight 0). The decay exp(-(k-1)/gamma) is the DFlash paper's: early
     slots matter most, since one wrong guess rejects everything after it in the block.
     """

@@ -131,7 +131,7 @@ def _target_step(
     )
     if layer_ids is None:
         return output.logits[0], None
-    # hidden_states[0] is the embedding output, so target layer i is entry i + 1 (DESIGN.md §3).
+    # hidden_states[0] is the embedding output, so target layer i is entry i + 1 (docs/DESIGN.md §3).
     features = torch.cat([output.hidden_states[i + 1] for i in layer_ids], dim=-1)
     return output.logits[0], features[0]
 

@@ -92,6 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="allow the target's own modelling code"
     )
+    parser.add_argument(
+        "--unary",
+        action="store_true",
+        help="DFlash 2: propose the LM head's argmax (or sample) at each position, bypassing the selector",
+    )
     parser.add_argument("--out", type=Path, help="result JSON (default: RUN_DIR/eval.json, else ./eval.json)")
     args = parser.parse_args(argv)
 
@@ -122,6 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompts = load_prompts(prompt_files, tokenizer, limit=args.num_prompts, renderer=renderer)
         # The drafter runs in the target's dtype, as an inference engine loads it.
         drafter = drafter.to(device=device, dtype=dtype)
+        if args.unary:
+            if drafter.candidate_selector is None:
+                raise EvalError(
+                    "--unary needs a DFlash 2 drafter (model.arch=dflash2): this one has no selector"
+                )
+            drafter.candidate_selector = None  # the unary-only path, to compare with the served one
         result = evaluate_acceptance(
             drafter,
             target,

@@ -7,6 +7,7 @@ with ours draw for draw.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -139,3 +140,33 @@ def test_dflash2_training_reports_selector_metrics_and_starts_as_dflash() -> Non
     assert dflash2["loss"] == pytest.approx(dflash["loss"] + dflash2["selector_loss"], rel=1e-5)
     assert dflash2["accept_selector"] == dflash2["accept_unary"]
     assert dflash2["selector_loss"] > 0
+
+
+def test_unary_evaluation_bypasses_the_selector(
+    trained: dict, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`eval --unary` decodes a DFlash 2 export with the LM head alone (the README's served vs
+    unary comparison): the selector's walk is never called, and tau is the selector-free loop's."""
+    from dflash_mp.eval import main
+    from dflash_mp.models.dflash2 import CandidateSelector
+
+    out = tmp_path / "unary.json"
+    common = ["--num-prompts", "4", "--max-new-tokens", str(NEW_TOKENS), "--device", "cpu"]
+    ours = load_exported_drafter(trained["export"]).float().eval()
+    ours.candidate_selector = None
+    target, stops = trained["target"], stop_token_ids(trained["tokenizer"], trained["target"])
+    lengths = [
+        speculative_generate(ours, target, prompt.input_ids, NEW_TOKENS, stops).acceptance_lengths
+        for prompt in trained["prompts"]
+    ]
+
+    def no_walk(*args, **kwargs):
+        raise AssertionError("--unary must not walk the selector")
+
+    monkeypatch.setattr(CandidateSelector, "walk", no_walk)
+    assert main([str(trained["export"]), *common, "--dtype", "float32", "--unary", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["tau"] == pytest.approx(
+        sum(map(sum, lengths)) / sum(map(len, lengths))
+    )
+    with pytest.raises(AssertionError, match="must not walk"):  # without --unary the selector serves
+        main([str(trained["export"]), *common, "--dtype", "float32", "--out", str(out)])

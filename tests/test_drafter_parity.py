@@ -1,4 +1,4 @@
-"""Our training drafter against the reference `dflash.model.DFlashDraftModel` (DESIGN.md §3).
+"""Our training drafter against the reference `dflash.model.DFlashDraftModel` (docs/DESIGN.md §3).
 
 The drafter is exported, loaded by the reference, and both are run on the same inputs. The
 multi-block case shows that one block-sparse training pass equals per-block reference inference.

@@ -1,6 +1,6 @@
 """Export a checkpoint with `python -m dflash_mp.export`, decode with the reference `dflash` package.
 
-The contract of DESIGN.md §3 end to end: the reference's `dflash_generate`, reading our export,
+The contract of docs/DESIGN.md §3 end to end: the reference's `dflash_generate`, reading our export,
 must produce the same tokens and the same acceptance lengths as our own evaluation loop.
 """
 

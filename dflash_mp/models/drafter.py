@@ -1,4 +1,4 @@
-"""The DFlash (and DFlash 2) drafter as a training module (DESIGN.md §3).
+"""The DFlash (and DFlash 2) drafter as a training module (docs/DESIGN.md §3).
 
 Parameter names, config keys and numerics follow the reference `dflash.model.DFlashDraftModel`, so an
 export of this module loads there unchanged. Unlike the reference, one forward pass takes many blocks
