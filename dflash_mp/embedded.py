@@ -20,6 +20,7 @@ import re
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +113,31 @@ def ensure_target(force: bool = False) -> Path:
         trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
         os.rename(final, trash / "old")
         shutil.rmtree(trash)
+    return build_once(final, build_target)
+
+
+def build_once(final: Path, build: Callable[[Path], None]) -> Path:
+    """`final` (a model directory), built by `build(tmp)` on first use and renamed into place:
+    safe when many processes call it at once, world-readable for a shared cache."""
     if (final / "config.json").is_file():
         return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a shared cache must be readable by all
+    try:
+        build(tmp)
+        for path in tmp.iterdir():
+            if path.is_file():
+                path.chmod(0o644)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process renamed its build into place first: theirs is identical, use it.
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; a shared cache must be readable by all

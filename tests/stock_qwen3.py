@@ -19,13 +19,11 @@ import base64
 import hashlib
 import json
 import math
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from dflash_mp.embedded import cache_dir
+from dflash_mp.embedded import build_once, cache_dir
 
 # The cache directory's name; a digest of this file and the chat template follows it.
 STOCK_VERSION = "stock-qwen3-v1"
@@ -258,25 +256,7 @@ def stock_target_dir() -> Path:
 
 def ensure_stock_target() -> Path:
     """The cached stock target, built on first use; safe when many processes call it at once."""
-    final = stock_target_dir()
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    tmp.chmod(0o755)
-    try:
-        build_stock_target(tmp)
-        for path in tmp.iterdir():
-            path.chmod(0o644)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process renamed its identical build into place first.
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(stock_target_dir(), build_stock_target)
 
 
 def qwen_reference_encoding(text: str) -> list[int]:
