@@ -172,30 +172,40 @@ def block_labels(
 # ----------------------------------------------------------------------------- block-sparse mask
 
 
-def block_mask_mod(anchors: Tensor, context_len: int, block_size: int) -> MaskMod:
+def block_mask_mod(anchors: Tensor, context_len: int, block_size: int, window: int | None = None) -> MaskMod:
     """mask_mod(b, h, q_idx, kv_idx) -> True where the query may attend the key.
 
     Keys are [context 0..S-1 ; block tokens]. Query q is in block n = q // Bs; it sees context
     key j iff j < a_n (features strictly before the anchor, as the cropped KV cache at inference)
     and block key t iff t // Bs == n (its own block, non-causal). Pure tensor ops, so the same
     function runs under flex_attention's vmap and, with broadcast index tensors, densely.
+
+    A sliding-attention layer (`window` set) also needs |query position - key position| < window,
+    the reference's `_attention_mask` rule (non-causal): query q sits at a_n + q % Bs, context key
+    j at j, block key t at a_n + t % Bs.
     """
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         block = q_idx // block_size
-        sees_context = kv_idx < anchors[b, block]
+        anchor = anchors[b, block]
+        sees_context = kv_idx < anchor
         in_own_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
+        if window is None:
+            return sees_context | in_own_block
+        offset = q_idx % block_size
+        sees_context = sees_context & (anchor + offset - kv_idx < window)
+        in_own_block = in_own_block & ((offset - (kv_idx - context_len) % block_size).abs() < window)
         return sees_context | in_own_block
 
     return mask_mod
 
 
-def dense_block_mask(anchors: Tensor, context_len: int, block_size: int) -> Tensor:
+def dense_block_mask(anchors: Tensor, context_len: int, block_size: int, window: int | None = None) -> Tensor:
     """The block-sparse mask as a dense bool tensor [B,1,Q,S+Q] (True = attend) for SDPA."""
     batch, num_anchors = anchors.shape
     num_queries = num_anchors * block_size
     device = anchors.device
-    mask_mod = block_mask_mod(anchors, context_len, block_size)
+    mask_mod = block_mask_mod(anchors, context_len, block_size, window)
     return mask_mod(
         torch.arange(batch, device=device)[:, None, None, None],
         torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device),
@@ -215,7 +225,9 @@ def _tiles_to_ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
     return count[:, None].contiguous(), indices[:, None].contiguous()
 
 
-def flex_block_mask(anchors: Tensor, context_len: int, block_size: int) -> BlockMask:
+def flex_block_mask(
+    anchors: Tensor, context_len: int, block_size: int, window: int | None = None
+) -> BlockMask:
     """The block-sparse mask as a flex_attention BlockMask (heads broadcast), built tile by tile.
 
     The mask's structure is known, so each (query tile, key tile) is classified from the anchors
@@ -223,7 +235,9 @@ def flex_block_mask(anchors: Tensor, context_len: int, block_size: int) -> Block
     does; block-token tiles are partial where the query and key block ranges meet. That is a few
     small tensor ops, instead of evaluating mask_mod on all Q x (S+Q) pairs as create_block_mask
     does (compiled, that took 155 s of cold start on an H200; eager, it materialises the pairs).
-    Partial tiles apply `block_mask_mod` element by element, so the result is exact.
+    Partial tiles apply `block_mask_mod` element by element, so the result is exact. With a
+    `window`, a context tile is full only if also every query lies within the window of every key,
+    and listed at all only if some query can reach its last key.
     """
     batch, num_anchors = anchors.shape
     num_queries = num_anchors * block_size
@@ -236,12 +250,16 @@ def flex_block_mask(anchors: Tensor, context_len: int, block_size: int) -> Block
     query_anchor = torch.cat([query_anchor, query_anchor[:, -1:].expand(batch, padding)], dim=1)
     per_tile = query_anchor.view(batch, q_tiles, FLEX_TILE)
     lowest, highest = per_tile.min(-1).values[:, :, None], per_tile.max(-1).values[:, :, None]
+    # Query positions a_n + q % Bs lie in [lowest, highest + Bs - 1] within a tile.
 
     key_start = torch.arange(kv_tiles, device=device) * FLEX_TILE
     key_end = (key_start + FLEX_TILE).clamp(max=num_keys)
     # Context keys [key_start, min(key_end, S)): query q sees key j iff j < anchor(q).
     sees_context = (key_start < context_len) & (key_start < highest)
     all_context = (key_end <= context_len) & (key_end <= lowest)
+    if window is not None:
+        sees_context = sees_context & (lowest - (key_end - 1) < window)
+        all_context = all_context & (highest + block_size - 1 - key_start < window)
     # Block keys: block-token t (key S + t) is seen by the queries of block t // Bs only.
     query_start = torch.arange(q_tiles, device=device) * FLEX_TILE
     query_end = (query_start + FLEX_TILE).clamp(max=num_queries)
@@ -263,7 +281,7 @@ def flex_block_mask(anchors: Tensor, context_len: int, block_size: int) -> Block
         full_count,
         full_indices,
         BLOCK_SIZE=FLEX_TILE,
-        mask_mod=block_mask_mod(anchors, context_len, block_size),
+        mask_mod=block_mask_mod(anchors, context_len, block_size, window),
         seq_lengths=(num_queries, num_keys),
     )
 
@@ -284,18 +302,29 @@ def decay_weighted_ce(logits: Tensor, labels: Tensor, weights: Tensor) -> tuple[
     return loss, LossStats(correct=correct.sum(0), count=scored.sum(0), weight_sum=weight_sum)
 
 
-def _ce_and_grad(logits: Tensor, labels: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _ce_and_grad(
+    logits: Tensor, labels: Tensor, scale: Tensor, multiplier: float = 1.0, softcap: float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """For rows of logits [M,V]: sum(scale * CE), d(that)/d(logits) in the logits' dtype, argmax == label.
 
-    Written as elementwise ops and row reductions so that, compiled, it is one pass to reduce and
-    one to write the gradient, with no fp32 copy of the logits in memory.
+    The CE reads the logits as the reference's `compute_logits` leaves them: times `multiplier`,
+    then soft-capped, c * tanh(x / c), whose derivative 1 - tanh^2 enters the gradient. Written as
+    elementwise ops and row reductions so that, compiled, it is one pass to reduce and one to write
+    the gradient, with no fp32 copy of the logits in memory.
     """
-    x = logits.float()
+    x = logits.float() * multiplier
+    capped = None
+    if softcap is not None and softcap > 0:
+        capped = torch.tanh(x / softcap)
+        x = capped * softcap
     log_normaliser = torch.logsumexp(x, dim=-1, keepdim=True)
     label_logit = x.gather(-1, labels[:, None])
     loss = (scale[:, None] * (log_normaliser - label_logit)).sum()
     is_label = torch.arange(x.shape[-1], device=x.device) == labels[:, None]
     grad = (torch.exp(x - log_normaliser) - is_label.float()) * scale[:, None]
+    if capped is not None:
+        grad = grad * (1 - capped * capped)
+    grad = grad * multiplier
     return loss, grad.to(logits.dtype), x.argmax(-1) == labels
 
 
@@ -324,6 +353,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk_tokens: int,
         grad_enabled: bool,
         top_k: int = 0,
+        multiplier: float = 1.0,
+        softcap: float | None = None,
     ):
         rows = hidden.shape[0]
         # Under no_grad nobody will call backward: skip the gradient matmuls.
@@ -343,10 +374,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows_of_chunk = slice(start, start + size)
             chunk = hidden[rows_of_chunk]
             logits = F.linear(chunk, head)
-            if top_k:
+            if top_k:  # multiplier > 0 and the cap are increasing: the raw logits rank alike
                 candidates[rows_of_chunk] = logits.topk(top_k, dim=-1).indices
             chunk_loss, logits_grad, correct[rows_of_chunk] = ce_and_grad(
-                logits, labels[rows_of_chunk], scale[rows_of_chunk]
+                logits, labels[rows_of_chunk], scale[rows_of_chunk], multiplier, softcap
             )
             del logits  # freed before the next chunk's are made
             loss += chunk_loss
@@ -366,7 +397,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hidden_grad = hidden_grad * loss_grad.to(hidden_grad.dtype)
         if head_grad is not None:
             head_grad = (head_grad * loss_grad).to(ctx.head_dtype)
-        return hidden_grad, head_grad, None, None, None, None, None
+        return hidden_grad, head_grad, None, None, None, None, None, None, None
 
 
 def chunked_lm_head_loss(
@@ -375,10 +406,14 @@ def chunked_lm_head_loss(
     labels: Tensor,
     weights: Tensor,
     chunk_tokens: int = 2048,
+    multiplier: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[Tensor, LossStats]:
-    """`decay_weighted_ce(hidden @ head_weight.T, ...)` without materialising all logits (see
-    `lm_head_loss_and_candidates`)."""
-    loss, stats, _ = lm_head_loss_and_candidates(hidden, head_weight, labels, weights, 0, chunk_tokens)
+    """`decay_weighted_ce(scale_logits(hidden @ head_weight.T), ...)` without materialising all
+    logits (see `lm_head_loss_and_candidates`)."""
+    loss, stats, _ = lm_head_loss_and_candidates(
+        hidden, head_weight, labels, weights, 0, chunk_tokens, multiplier, softcap
+    )
     return loss, stats
 
 
@@ -389,8 +424,11 @@ def lm_head_loss_and_candidates(
     weights: Tensor,
     top_k: int,
     chunk_tokens: int = 2048,
+    multiplier: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[Tensor, LossStats, Tensor]:
-    """`decay_weighted_ce(hidden @ head_weight.T, ...)` without materialising all logits.
+    """`decay_weighted_ce(scale_logits(hidden @ head_weight.T, multiplier, softcap), ...)` without
+    materialising all logits.
 
     hidden [B,N*Bs,H], head_weight [V,H], labels/weights [B,N,Bs]; block index 0 must carry
     weight 0 (it holds the known token; `block_labels` never scores it) and is skipped. Logits
@@ -408,7 +446,15 @@ def lm_head_loss_and_candidates(
     # clamp_min: an all-zero-weight batch gives 0 / tiny = 0, not NaN, and keeps the graph.
     scale = scored_weights / weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
     loss, correct, candidates = _LinearCrossEntropy.apply(
-        scored_hidden, head_weight, scored_labels, scale, chunk_tokens, torch.is_grad_enabled(), top_k
+        scored_hidden,
+        head_weight,
+        scored_labels,
+        scale,
+        chunk_tokens,
+        torch.is_grad_enabled(),
+        top_k,
+        multiplier,
+        softcap,
     )
     scored = (scored_weights > 0).view(-1, block_size - 1)
     zero = torch.zeros(1, dtype=torch.long, device=weights.device)
@@ -465,20 +511,39 @@ def drafter_loss(
         input_ids, batch.loss_mask, batch.lengths, anchors, valid, block_size, gamma
     )
     build_mask = flex_block_mask if attention == "flex" else dense_block_mask
+    mask: Any = build_mask(anchors, seq_len, block_size)
+    window = getattr(drafter_module, "sliding_window", None)
+    if window is not None:  # sliding-attention layers take their own mask
+        mask = {"full_attention": mask, "sliding_attention": build_mask(anchors, seq_len, block_size, window)}
+    # Targets that scale their embeddings (Gemma) get block embeddings scaled as at inference.
+    embedding_scale = getattr(drafter_module, "input_embedding_scale", 1.0)
     hidden = drafter(
         batch.hidden_states,
-        F.embedding(block_ids, embed_weight),
+        F.embedding(block_ids, embed_weight) * embedding_scale,
         context_positions(batch_size, seq_len, input_ids.device),
         block_positions,
-        build_mask(anchors, seq_len, block_size),
+        mask,
     )
+    multiplier = getattr(drafter_module, "output_multiplier", 1.0)
+    softcap = getattr(drafter_module, "final_logit_softcapping", None)
     selector = getattr(drafter_module, "candidate_selector", None)
     if selector is None:
-        return chunked_lm_head_loss(hidden, head_weight, labels, weights)
+        return chunked_lm_head_loss(
+            hidden, head_weight, labels, weights, multiplier=multiplier, softcap=softcap
+        )
     loss, stats, candidates = lm_head_loss_and_candidates(
-        hidden, head_weight, labels, weights, selector.top_k
+        hidden, head_weight, labels, weights, selector.top_k, multiplier=multiplier, softcap=softcap
     )
     term, stats["selector"] = selector_loss(
-        selector, hidden, head_weight, candidates, labels, weights, stats["weight_sum"], selector_gold
+        selector,
+        hidden,
+        head_weight,
+        candidates,
+        labels,
+        weights,
+        stats["weight_sum"],
+        selector_gold,
+        multiplier=multiplier,
+        softcap=softcap,
     )
     return loss + selector_alpha * term, stats

@@ -56,6 +56,16 @@ class ModelConfig:
     selector_loss_alpha: float = 1.0
     # dflash2: a label outside the top-K is "drop"ped from the selector term or "inject"ed as the last candidate.
     selector_gold_outside_top_k: str = "drop"
+    # Attention of each draft layer, "full_attention" or "sliding_attention"; null: all full.
+    layer_types: list[str] | None = None
+    # sliding_attention layers see keys less than this many positions from the query (reference rule).
+    sliding_window: int | None = None
+    # Factor on the block tokens' embeddings, for targets that scale theirs (Gemma: sqrt(hidden_size)).
+    input_embedding_scale: float = 1.0
+    # Factor on the draft logits (targets with a logit multiplier).
+    output_multiplier: float = 1.0
+    # Soft cap c on the draft logits, c * tanh(logits / c) after the multiplier; null: none.
+    final_logit_softcapping: float | None = None
 
 
 @dataclass
@@ -281,6 +291,28 @@ def _validate_dflash2(problems: list[str], m: Any) -> None:
     _choice(problems, "model.selector_gold_outside_top_k", m.selector_gold_outside_top_k, ("drop", "inject"))
 
 
+def _validate_layers_and_scaling(problems: list[str], m: Any) -> None:
+    types = m.layer_types
+    if types is not None:
+        if len(types) != m.draft_layers or any(
+            t not in ("full_attention", "sliding_attention") for t in types
+        ):
+            problems.append(
+                f"model.layer_types={list(types)!r}: must list 'full_attention' or 'sliding_attention' "
+                f"for each of the model.draft_layers={m.draft_layers} layers (null: all full)"
+            )
+        elif "sliding_attention" in types and m.sliding_window is None:
+            problems.append("model.sliding_window=None: sliding_attention layers need a window (e.g. 2048)")
+    if m.sliding_window is not None:
+        _at_least(problems, "model.sliding_window", m.sliding_window, 1)
+    for name in ("input_embedding_scale", "output_multiplier"):
+        value = getattr(m, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            problems.append(f"model.{name}={value!r}: must be a finite number > 0 (1: no scaling)")
+    if m.final_logit_softcapping is not None:
+        _at_least(problems, "model.final_logit_softcapping", m.final_logit_softcapping, 0.0, " (null: none)")
+
+
 def _validate_dflash2_against_target(problems: list[str], m: Any, target: dict[str, Any]) -> None:
     hidden, vocab = int(target["hidden_size"]), int(target["vocab_size"])
     if isinstance(m.conv_group_size, int) and m.conv_group_size >= 1 and hidden % m.conv_group_size:
@@ -356,6 +388,7 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
     if m.block_size < 2:
         problems.append(f"model.block_size={m.block_size!r}: must be >= 2 (one known token + masks)")
     _validate_dflash2(problems, m)
+    _validate_layers_and_scaling(problems, m)
     _at_least(problems, "data.max_length", d.max_length, 8)
     _at_least(problems, "data.num_anchors", d.num_anchors, 1)
     _at_least(problems, "data.pad_to_multiple", d.pad_to_multiple, 1)

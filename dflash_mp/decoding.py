@@ -136,6 +136,14 @@ def _target_step(
     return output.logits[0], features[0]
 
 
+def _window_mask(start: int, context_len: int, size: int, window: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, size, context_len + size] bool: |query - key position| < window, the reference's
+    non-causal sliding rule; context key j is at position j, block row i at start + i."""
+    queries = torch.arange(start, start + size, device=device)[:, None]
+    keys = torch.cat([torch.arange(context_len, device=device), queries[:, 0]])[None]
+    return ((queries - keys).abs() < window)[None, None]
+
+
 def _propose(
     drafter: DFlashDrafter,
     target: nn.Module,
@@ -156,19 +164,26 @@ def _propose(
     embed_weight = target.get_input_embeddings().weight
     head = target.get_output_embeddings()
     context_len = context_features.shape[0]
+    # One block that sees all context before it and itself: everything, except in a sliding layer.
+    mask: Any = torch.ones(1, 1, size, context_len + size, dtype=torch.bool, device=device)
+    if drafter.sliding_window is not None:
+        mask = {
+            "full_attention": mask,
+            "sliding_attention": _window_mask(start, context_len, size, drafter.sliding_window, device),
+        }
+    block_embeddings = F.embedding(block_ids, embed_weight) * drafter.input_embedding_scale
     # Eager even when the layers are compiled for training: a new context length every call would
     # otherwise recompile them, and fill the compile cache that training shapes need.
     with torch.compiler.set_stance("force_eager"):
         hidden = drafter(
             context_features[None].to(param.dtype),
-            F.embedding(block_ids, embed_weight).to(param.dtype),
+            block_embeddings.to(param.dtype),
             torch.arange(context_len, device=device)[None],
             torch.arange(start, start + size, device=device)[None],
-            # One block that sees all context before it and itself: everything.
-            torch.ones(1, 1, size, context_len + size, dtype=torch.bool, device=device),
+            mask,
         )
     # Output at block index k guesses the token at start + k; index 0 is the known token.
-    logits = head(hidden[0, 1:].to(head.weight.dtype))
+    logits = drafter.logits(hidden[0, 1:].to(head.weight.dtype), head)
     selector = getattr(drafter, "candidate_selector", None)
     if selector is not None:
         anchor = torch.tensor([first_token], device=device)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from dflash_mp.models.dflash2 import CandidateSelector
+from dflash_mp.models.drafter import scale_logits
 
 # Per-block-index counts, summed over micro-batches and ranks like LossStats' correct/count.
 SELECTOR_COUNTS = ("topk_hits", "selector_correct", "served_accepted", "unary_accepted")
@@ -93,11 +94,14 @@ def selector_loss(
     weight_sum: Tensor,
     gold_outside_top_k: str = "drop",
     chunk_rows: int = 2048,
+    multiplier: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[Tensor, SelectorStats]:
     """The selector term sum(w * CE_sel) / weight_sum and its metrics.
 
     hidden [B, N*Bs, H] (the drafter's output), candidates [B*N*(Bs-1), K] (the unary top-K of
     block indices 1..Bs-1, sorted by logit), labels/weights [B, N, Bs] from `block_labels`.
+    The unary scores are the head logits after `multiplier` and the soft cap, as the reference's.
     """
     if gold_outside_top_k not in GOLD_OUTSIDE_TOP_K:
         raise ValueError(f"gold_outside_top_k={gold_outside_top_k!r}: must be one of {GOLD_OUTSIDE_TOP_K}")
@@ -122,7 +126,9 @@ def selector_loss(
         loss_candidates = candidates
         loss_weights = position_weights * in_top_k
 
-    unary = candidate_logits(scored_hidden, head_weight, loss_candidates, chunk_rows)
+    unary = scale_logits(
+        candidate_logits(scored_hidden, head_weight, loss_candidates, chunk_rows), multiplier, softcap
+    )
     projected = selector.hidden_projection(scored_hidden)
     scores = unary + selector.pair_scores(projected, predecessors, loss_candidates).float()
     ce = torch.logsumexp(scores, dim=-1) - scores.gather(-1, gold_index[:, None])[:, 0]

@@ -20,7 +20,7 @@ from dflash_mp import checkpoint
 from dflash_mp.block_diffusion import drafter_loss, per_position_accuracy
 from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
 from dflash_mp.mask_token import mask_token_id
-from dflash_mp.models.drafter import DFLASH2_FIELDS, DFlashDrafter, build_drafter_config
+from dflash_mp.models.drafter import DFLASH2_FIELDS, SCALING_DEFAULTS, DFlashDrafter, build_drafter_config
 from dflash_mp.models.target import load_embedding_and_head
 from dflash_mp.selector_loss import add_selector_stats, pack_selector_totals, selector_metrics
 from dflash_mp.transport import Features
@@ -58,6 +58,9 @@ def build_drafter(cfg: RootConfig) -> DFlashDrafter:
         mask_token_id=mask_token_id(cfg.model),
         arch=cfg.model.arch,
         dflash2={key: getattr(cfg.model, key) for key in DFLASH2_FIELDS},
+        layer_types=None if cfg.model.layer_types is None else list(cfg.model.layer_types),
+        sliding_window=cfg.model.sliding_window,
+        scaling={key: getattr(cfg.model, key) for key in SCALING_DEFAULTS},
     )
     return DFlashDrafter(config, seed=cfg.train.seed)
 

@@ -13,7 +13,7 @@ candidate selector (`dflash_mp.models.dflash2`), as `dflash.model.DFlash2DraftMo
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -47,6 +47,22 @@ AttentionMask = torch.Tensor | BlockMask
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 # dflash_config fields of a DFlash 2 drafter (the reference, vLLM and the MLX loader read them there).
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# Attention kinds of a draft layer (the reference's `layer_types` values).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# dflash_config fields for targets that scale embeddings or logits, with the values that change nothing.
+SCALING_DEFAULTS: dict[str, float | None] = {
+    "input_embedding_scale": 1.0,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+}
+
+
+def scale_logits(logits: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
+    """The reference's `compute_logits` after the head: logits * multiplier, then c * tanh(x / c)."""
+    logits = logits * multiplier
+    if softcap is not None and softcap > 0:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
 
 
 def drafter_arch(config: PretrainedConfig) -> str:
@@ -63,11 +79,17 @@ def build_drafter_config(
     mask_token_id: int,
     arch: str = "dflash",
     dflash2: dict[str, int] | None = None,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    scaling: dict[str, float | None] | None = None,
 ) -> Qwen3Config:
     """The drafter's config: the target's layer shapes, `draft_layers` layers and the DFlash fields.
 
     `arch="dflash2"` adds `dflash2` (conv_kernel_size, conv_group_size, selector_rank,
-    selector_top_k) to `dflash_config`.
+    selector_top_k) to `dflash_config`. `layer_types` (one per draft layer, null: all full
+    attention) and `sliding_window` go to the top level, where the reference reads them;
+    `scaling` (keys of SCALING_DEFAULTS) goes to `dflash_config`, only the non-default values, so
+    a default config's export is unchanged.
     """
     if isinstance(target_config, PretrainedConfig):
         target = target_config.get_text_config().to_dict()
@@ -103,14 +125,30 @@ def build_drafter_config(
             )
     elif arch != "dflash":
         problems.append(f"arch {arch!r} must be one of {sorted(ARCHITECTURES)}")
+    layer_types = list(layer_types) if layer_types else ["full_attention"] * draft_layers
+    if len(layer_types) != draft_layers or any(kind not in LAYER_TYPES for kind in layer_types):
+        problems.append(
+            f"layer_types {layer_types} must name one of {LAYER_TYPES} per draft layer ({draft_layers})"
+        )
+    sliding = "sliding_attention" in layer_types
+    if sliding and not (isinstance(sliding_window, int) and sliding_window >= 1):
+        problems.append(f"sliding_window must be >= 1 for sliding_attention layers, got {sliding_window}")
+    scaling = {
+        key: value for key, value in (scaling or {}).items() if value != SCALING_DEFAULTS.get(key, value)
+    }
+    if unknown := sorted(set(scaling) - set(SCALING_DEFAULTS)):
+        problems.append(f"unknown scaling fields {unknown}: known are {list(SCALING_DEFAULTS)}")
     if problems:
         raise ValueError("invalid drafter config: " + "; ".join(problems))
 
     fields = {key: target[key] for key in _LAYER_SHAPE_KEYS + _ROPE_KEYS if target.get(key) is not None}
     # Older configs omit head_dim; Qwen3Config's default (128) would then be wrong.
     fields["head_dim"] = target.get("head_dim") or target["hidden_size"] // target["num_attention_heads"]
+    if sliding:  # Qwen3Config drops sliding_window unless use_sliding_window is set
+        fields.update(use_sliding_window=True, sliding_window=int(sliding_window))
     return Qwen3Config(
         **fields,
+        layer_types=layer_types,
         num_hidden_layers=draft_layers,
         architectures=[ARCHITECTURES[arch]],
         num_target_layers=num_target_layers,
@@ -119,6 +157,7 @@ def build_drafter_config(
             "block_size": int(block_size),
             "mask_token_id": int(mask_token_id),
             **extra,
+            **{key: None if value is None else float(value) for key, value in scaling.items()},
         },
     )
 
@@ -232,6 +271,20 @@ class DFlashDrafter(nn.Module):
         self.block_size: int = int(dflash["block_size"])
         self.mask_token_id: int = int(dflash["mask_token_id"])
         self.gradient_checkpointing = gradient_checkpointing
+        self.layer_types: list[str] = list(
+            config.layer_types or ["full_attention"] * config.num_hidden_layers
+        )
+        self.sliding_window: int | None = (
+            config.sliding_window if "sliding_attention" in self.layer_types else None
+        )
+        # The reference reads these from dflash_config, else from the top level.
+        scaling = {
+            key: dflash.get(key, getattr(config, key, default)) for key, default in SCALING_DEFAULTS.items()
+        }
+        self.input_embedding_scale = float(scaling["input_embedding_scale"])
+        self.output_multiplier = float(scaling["output_multiplier"])
+        softcap = scaling["final_logit_softcapping"]
+        self.final_logit_softcapping: float | None = float(softcap) if softcap else None
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
@@ -281,6 +334,10 @@ class DFlashDrafter(nn.Module):
         if self.candidate_selector is not None:
             self.candidate_selector.init_weights(std, generator)
 
+    def logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """The draft logits of hidden states through the target's head, as the reference computes them."""
+        return scale_logits(head(hidden), self.output_multiplier, self.final_logit_softcapping)
+
     def compile_layers(self, **compile_options: Any) -> None:
         """torch.compile each decoder layer ("regional compilation").
 
@@ -298,14 +355,15 @@ class DFlashDrafter(nn.Module):
         block_embeddings: torch.Tensor,
         context_positions: torch.Tensor,
         block_positions: torch.Tensor,
-        mask: AttentionMask,
+        mask: AttentionMask | Mapping[str, AttentionMask],
     ) -> torch.Tensor:
         """Hidden states [B, Q, H] (after the final norm) for the block tokens.
 
         context_features [B, S, K*H] are the concatenated target layer outputs; block_embeddings
         [B, Q, H] the target's embeddings of the block tokens; positions are the tokens' true positions.
         `mask` is a boolean [B, 1, Q, S+Q] tensor (True = may attend; keys are context first, then the
-        block) or a flex_attention BlockMask over the same [Q, S+Q] layout.
+        block) or a flex_attention BlockMask over the same [Q, S+Q] layout; or a mapping from layer
+        type ("full_attention", "sliding_attention") to such a mask, each layer taking its type's.
         """
         context = self.hidden_norm(self.fc(context_features))
         positions = torch.cat([context_positions, block_positions], dim=1)
@@ -317,11 +375,19 @@ class DFlashDrafter(nn.Module):
         if self.arch == "dflash2":
             position_in_block = torch.arange(block_embeddings.shape[1], device=block_embeddings.device)
             position_in_block = position_in_block % self.block_size
-        for layer in self.layers:
+        for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
+            layer_mask = mask[layer_type] if isinstance(mask, Mapping) else mask
             if self.gradient_checkpointing and self.training:
                 hidden_states = checkpoint(
-                    layer, hidden_states, context, cos, sin, mask, position_in_block, use_reentrant=False
+                    layer,
+                    hidden_states,
+                    context,
+                    cos,
+                    sin,
+                    layer_mask,
+                    position_in_block,
+                    use_reentrant=False,
                 )
             else:
-                hidden_states = layer(hidden_states, context, cos, sin, mask, position_in_block)
+                hidden_states = layer(hidden_states, context, cos, sin, layer_mask, position_in_block)
         return self.norm(hidden_states)
