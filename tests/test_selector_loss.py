@@ -9,6 +9,7 @@ import torch
 
 from dflash_mp.block_diffusion import block_labels, lm_head_loss_and_candidates
 from dflash_mp.models.dflash2 import CandidateSelector
+from dflash_mp.models.drafter import scale_logits
 from dflash_mp.selector_loss import candidate_logits, pack_selector_totals, selector_loss, selector_metrics
 
 VOCAB, HIDDEN, RANK, TOP_K, BLOCK = 40, 16, 6, 4, 5
@@ -34,7 +35,7 @@ def _problem(seed: int = 0):
     return selector, head, hidden, labels, weights
 
 
-def _slow(selector, head, hidden, labels, weights, gold_outside_top_k):
+def _slow(selector, head, hidden, labels, weights, gold_outside_top_k, multiplier=1.0, softcap=None):
     """Loop over every scored position: full logits, top-K, scores, K-way CE; and the two walks."""
     total, hits, right, served_ok, unary_ok = 0.0, [0] * BLOCK, [0] * BLOCK, [0] * BLOCK, [0] * BLOCK
     h = hidden.view(labels.shape[0], labels.shape[1], BLOCK, -1)
@@ -42,7 +43,7 @@ def _slow(selector, head, hidden, labels, weights, gold_outside_top_k):
         for n in range(labels.shape[1]):
             served_prev, served_alive, unary_alive = labels[b, n, 0], True, True
             for k in range(1, BLOCK):
-                logits = head @ h[b, n, k]
+                logits = scale_logits(head @ h[b, n, k], multiplier, softcap)
                 unary, cands = logits.topk(TOP_K)
                 gold = labels[b, n, k]
                 projected = selector.hidden_projection(h[b, n, k])
@@ -76,10 +77,17 @@ def _slow(selector, head, hidden, labels, weights, gold_outside_top_k):
     return total / weights.sum(), hits, right, served_ok, unary_ok
 
 
-@pytest.mark.parametrize("gold_outside_top_k", ["drop", "inject"])
-def test_selector_loss_and_metrics_match_the_slow_version(gold_outside_top_k: str) -> None:
+@pytest.mark.parametrize(
+    ("gold_outside_top_k", "multiplier", "softcap"),
+    [("drop", 1.0, None), ("inject", 1.0, None), ("drop", 0.7, 2.0), ("inject", 1.5, 3.0)],
+)
+def test_selector_loss_and_metrics_match_the_slow_version(
+    gold_outside_top_k: str, multiplier: float, softcap: float | None
+) -> None:
     selector, head, hidden, labels, weights = _problem()
-    _, stats, candidates = lm_head_loss_and_candidates(hidden, head, labels, weights, TOP_K, chunk_tokens=7)
+    _, stats, candidates = lm_head_loss_and_candidates(
+        hidden, head, labels, weights, TOP_K, chunk_tokens=7, multiplier=multiplier, softcap=softcap
+    )
     loss, sel = selector_loss(
         selector,
         hidden,
@@ -90,10 +98,12 @@ def test_selector_loss_and_metrics_match_the_slow_version(gold_outside_top_k: st
         stats["weight_sum"],
         gold_outside_top_k,
         chunk_rows=5,
+        multiplier=multiplier,
+        softcap=softcap,
     )
     grads = torch.autograd.grad(loss, [hidden, *selector.parameters()])
     expected, hits, right, served_ok, unary_ok = _slow(
-        selector, head, hidden, labels, weights, gold_outside_top_k
+        selector, head, hidden, labels, weights, gold_outside_top_k, multiplier, softcap
     )
     expected_grads = torch.autograd.grad(expected, [hidden, *selector.parameters()])
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
