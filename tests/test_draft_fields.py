@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,11 +24,15 @@ from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_atten
 from transformers import Qwen3Config
 
 from dflash_mp.block_diffusion import (
+    block_inputs,
+    block_labels,
     block_mask_mod,
     chunked_lm_head_loss,
     decay_weighted_ce,
     dense_block_mask,
+    drafter_loss,
     flex_block_mask,
+    sample_anchors,
 )
 from dflash_mp.config import ConfigError, validate
 from dflash_mp.decoding import _propose
@@ -292,6 +297,58 @@ def test_one_proposal_block_with_every_field_matches_the_reference(arch: str, tm
     assert ours == expected.tolist()
     # The fields matter: the reference's logits are not the head's.
     assert not torch.allclose(reference.compute_logits(hidden, head), plain_logits)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_drafter_loss_with_every_field_equals_the_reference_per_block(
+    attention: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The training loss of a drafter with sliding layers, scaled embeddings, multiplier and soft cap
+    equals the decay-weighted CE of the reference's `compute_logits`, one reference call per block
+    on `embedding * input_embedding_scale`."""
+    monkeypatch.setattr(drafter_module, "_compiled_flex_attention", lambda: flex_attention)
+    drafter = _drafter("dflash", 4, SCALING)
+    reference = _reference(drafter, tmp_path / "export")
+    generator = torch.Generator().manual_seed(5)
+    embed = torch.randn(VOCAB, HIDDEN, generator=generator)
+    head = 3 * torch.randn(VOCAB, HIDDEN, generator=generator)
+    seq_len = 24
+    input_ids = torch.randint(0, VOCAB - 1, (2, seq_len), generator=generator)
+    batch = SimpleNamespace(
+        input_ids=input_ids,
+        loss_mask=(torch.arange(seq_len) >= 3).long().expand(2, -1),
+        lengths=torch.tensor([seq_len, 20]),
+        sample_ids=torch.tensor([7, 8]),
+        epoch=0,
+        hidden_states=torch.randn(2, seq_len, 2 * HIDDEN, generator=generator),
+    )
+    args = {"seed": 1, "num_anchors": 4, "gamma": 3.0}
+    with torch.no_grad():
+        loss, stats = drafter_loss(drafter, embed, head, batch, attention=attention, **args)
+        anchors, valid = sample_anchors(batch.loss_mask, batch.lengths, batch.sample_ids, 0, 1, 4)
+        block_ids, _ = block_inputs(input_ids, anchors, BLOCK, drafter.mask_token_id)
+        labels, weights = block_labels(input_ids, batch.loss_mask, batch.lengths, anchors, valid, BLOCK, 3.0)
+        logits = torch.stack(
+            [
+                reference.compute_logits(
+                    reference(
+                        target_hidden=batch.hidden_states[row : row + 1, :anchor],
+                        noise_embedding=F.embedding(
+                            block_ids[row : row + 1, n * BLOCK : (n + 1) * BLOCK], embed
+                        )
+                        * SCALING["input_embedding_scale"],
+                        position_ids=torch.arange(anchor + BLOCK)[None],
+                    ),
+                    lambda hidden: hidden @ head.T,
+                )[0]
+                for row in range(2)
+                for n, anchor in enumerate(anchors[row].tolist())
+            ]
+        ).view(2, 4, BLOCK, VOCAB)
+        expected, expected_stats = decay_weighted_ce(logits, labels, weights)
+    assert bool(valid.all()) and int(anchors.min()) > 4  # every block has context beyond the window
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(stats["correct"], expected_stats["correct"])
 
 
 # ----------------------------------------------------------------------------- config and export
