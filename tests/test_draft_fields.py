@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -35,11 +36,12 @@ from dflash_mp.block_diffusion import (
     sample_anchors,
 )
 from dflash_mp.config import ConfigError, validate
-from dflash_mp.decoding import _propose
+from dflash_mp.decoding import _propose, speculative_generate
+from dflash_mp.evaluation import load_eval_prompts, stop_token_ids
 from dflash_mp.export import export_drafter, load_exported_drafter
 from dflash_mp.models import drafter as drafter_module
 from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config, scale_logits
-from tests.drafters import embedded_config
+from tests.drafters import embedded_config, embedded_target, train_on_target_tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -397,3 +399,48 @@ def test_drafter_config_rejects_bad_layer_types_and_windows() -> None:
 def test_config_validation_names_the_field(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         validate(embedded_config(*overrides))
+
+
+# ----------------------------------------------------------------------------- trained, end to end
+
+FIELD_OVERRIDES = (
+    "data.num_anchors=32",
+    "model.arch=dflash2",
+    "model.selector_rank=32",
+    "model.layer_types=[sliding_attention,full_attention]",
+    "model.sliding_window=8",
+    "model.input_embedding_scale=2.0",
+    "model.output_multiplier=0.8",
+    "model.final_logit_softcapping=20.0",
+)
+
+
+@pytest.mark.slow
+def test_reference_decoding_of_a_trained_export_with_every_field_matches_ours(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trained with a window shorter than the prompts and every scaling field, exported, decoded by
+    the reference's `dflash_generate`: the same tokens and acceptance lengths as our decoding."""
+    monkeypatch.setattr(reference_model, "_cuda_time", time.perf_counter)  # a CPU run
+    cfg = embedded_config(*FIELD_OVERRIDES)
+    validate(cfg)
+    target, tokenizer = embedded_target(cfg)
+    prompts = load_eval_prompts(cfg, tokenizer)[:3]
+    assert min(len(prompt.input_ids) for prompt in prompts) > 8
+    trainer = train_on_target_tokens(cfg, target, tokenizer, prompts[:2], 40, steps=150)
+    export = export_drafter(trainer.drafter, tmp_path / "export")
+    fields = json.loads((export / "config.json").read_text())
+    assert fields["dflash_config"]["final_logit_softcapping"] == 20.0 and fields["sliding_window"] == 8
+    draft_model = DFlash2DraftModel.from_pretrained(export, dtype=torch.float32).eval()
+    ours = load_exported_drafter(export).float().eval()
+    stops = stop_token_ids(tokenizer, target)
+    longest = []
+    for prompt in prompts:
+        expected = reference_model.dflash_generate(
+            draft_model, target, torch.tensor([prompt.input_ids]), 40, stops, return_stats=True
+        )
+        got = speculative_generate(ours, target, prompt.input_ids, 40, stops)
+        assert got.new_tokens == expected.output_ids[0, len(prompt.input_ids) :].tolist(), prompt.source
+        assert got.acceptance_lengths == expected.acceptance_lengths, prompt.source
+        longest.append(max(expected.acceptance_lengths))
+    assert max(longest) > 3  # trained: the comparison covered accepted drafts
