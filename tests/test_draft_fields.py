@@ -353,6 +353,40 @@ def test_drafter_loss_with_every_field_equals_the_reference_per_block(
     assert torch.equal(stats["correct"], expected_stats["correct"])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_flex_loss_with_every_field_matches_sdpa_with_gradients_on_cuda() -> None:
+    """The compiled kernels (flex_attention with the window BlockMask, the compiled fused CE with
+    multiplier and soft cap) against the dense SDPA path, gradients included, in fp32."""
+    device = torch.device("cuda")
+    drafter = _drafter("dflash2", 40, SCALING).to(device).train()
+    generator = torch.Generator().manual_seed(6)
+    embed = torch.randn(VOCAB, HIDDEN, generator=generator).to(device)
+    head = (3 * torch.randn(VOCAB, HIDDEN, generator=generator)).to(device)
+    seq_len = 200
+    batch = SimpleNamespace(
+        input_ids=torch.randint(0, VOCAB - 1, (2, seq_len), generator=generator).to(device),
+        loss_mask=(torch.arange(seq_len) >= 10).long().expand(2, -1).to(device),
+        lengths=torch.tensor([seq_len, 150], device=device),
+        sample_ids=torch.tensor([1, 2], device=device),
+        epoch=0,
+        hidden_states=torch.randn(2, seq_len, 2 * HIDDEN, generator=generator).to(device),
+    )
+    results = []
+    for attention in ("sdpa", "flex"):
+        drafter.zero_grad()
+        loss, _ = drafter_loss(
+            drafter, embed, head, batch, attention=attention, seed=0, num_anchors=24, gamma=3.0
+        )
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in drafter.parameters() if p.grad is not None]))
+    (dense, dense_grads), (flex, flex_grads) = results
+    torch.testing.assert_close(flex, dense, atol=1e-4, rtol=1e-4)
+    assert len(flex_grads) == len(dense_grads) > 0
+    for flex_grad, dense_grad in zip(flex_grads, dense_grads, strict=True):
+        torch.testing.assert_close(flex_grad, dense_grad, atol=1e-4, rtol=1e-3)
+
+
 # ----------------------------------------------------------------------------- config and export
 
 
