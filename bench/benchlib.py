@@ -26,7 +26,7 @@ from dflash_mp.block_diffusion import block_labels, sample_anchors
 from dflash_mp.config import RootConfig, compose_config, default_target_layer_ids, to_dataclass
 from dflash_mp.data import MicroBatch
 from dflash_mp.models.dflash2 import GroupedDynamicConv
-from dflash_mp.models.drafter import DFLASH2_FIELDS, DFlashDrafter, build_drafter_config
+from dflash_mp.models.drafter import DFLASH2_FIELDS, SCALING_DEFAULTS, DFlashDrafter, build_drafter_config
 from dflash_mp.models.target import TargetFeatureExtractor
 from dflash_mp.transport import Features, pack_tokens, unpack_tokens
 
@@ -228,6 +228,12 @@ def random_drafter(shape: Shape, device: torch.device, seed: int, model_cfg: Any
         mask_token_id=shape.vocab - 1,
         arch=arch,
         dflash2={key: getattr(model_cfg, key) for key in DFLASH2_FIELDS} if arch == "dflash2" else None,
+        # Sliding layers and logit scaling change the step's masks and loss: bench them as configured.
+        layer_types=None
+        if model_cfg is None or model_cfg.layer_types is None
+        else list(model_cfg.layer_types),
+        sliding_window=None if model_cfg is None else model_cfg.sliding_window,
+        scaling=None if model_cfg is None else {key: getattr(model_cfg, key) for key in SCALING_DEFAULTS},
     )
     with seeded(device, seed), device:
         return DeviceInitDrafter(config, seed=seed)
