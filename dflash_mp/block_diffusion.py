@@ -1,4 +1,4 @@
-"""DFlash block-diffusion training math: anchors, draft blocks, the block-sparse mask, the loss.
+"""DFlash block-diffusion training math: anchors, draft blocks, the loss (the mask: block_mask.py).
 
 The drafter is trained exactly the way the reference inference (`dflash.dflash_generate`,
 docs/DESIGN.md §3) reads it. At inference, after the target accepted tokens up to position p,
@@ -25,11 +25,9 @@ from typing import Any, NotRequired, TypedDict
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask
 
+from dflash_mp.block_mask import dense_block_mask, flex_block_mask
 from dflash_mp.selector_loss import SelectorStats, selector_loss
-
-MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 class LossStats(TypedDict):
@@ -85,7 +83,7 @@ def sample_anchors(
     only from inside a response: an anchor on a turn-final end-of-turn token would train on
     nothing, or on the next turn at offsets inference never sees. Returns (anchors [B,N] int64,
     valid [B,N] bool); invalid slots come last and hold anchor 0, which keeps every mask row
-    non-empty (see `block_mask_mod`).
+    non-empty (see `block_mask.block_mask_mod`).
 
     The eligible positions with the N smallest keys form a uniform draw without replacement.
     Everything runs on the inputs' device with static shapes: no host synchronisation, nothing
@@ -167,123 +165,6 @@ def block_labels(
     decay = torch.where(offsets == 0, 0.0, torch.exp(-(offsets - 1).float() / gamma))
     weights = decay * (valid[:, :, None] & in_range & is_response).float()
     return labels, weights
-
-
-# ----------------------------------------------------------------------------- block-sparse mask
-
-
-def block_mask_mod(anchors: Tensor, context_len: int, block_size: int, window: int | None = None) -> MaskMod:
-    """mask_mod(b, h, q_idx, kv_idx) -> True where the query may attend the key.
-
-    Keys are [context 0..S-1 ; block tokens]. Query q is in block n = q // Bs; it sees context
-    key j iff j < a_n (features strictly before the anchor, as the cropped KV cache at inference)
-    and block key t iff t // Bs == n (its own block, non-causal). Pure tensor ops, so the same
-    function runs under flex_attention's vmap and, with broadcast index tensors, densely.
-
-    A sliding-attention layer (`window` set) also needs |query position - key position| < window,
-    the reference's `_attention_mask` rule (non-causal): query q sits at a_n + q % Bs, context key
-    j at j, block key t at a_n + t % Bs.
-    """
-
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        block = q_idx // block_size
-        anchor = anchors[b, block]
-        sees_context = kv_idx < anchor
-        in_own_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
-        if window is None:
-            return sees_context | in_own_block
-        offset = q_idx % block_size
-        sees_context = sees_context & (anchor + offset - kv_idx < window)
-        in_own_block = in_own_block & ((offset - (kv_idx - context_len) % block_size).abs() < window)
-        return sees_context | in_own_block
-
-    return mask_mod
-
-
-def dense_block_mask(anchors: Tensor, context_len: int, block_size: int, window: int | None = None) -> Tensor:
-    """The block-sparse mask as a dense bool tensor [B,1,Q,S+Q] (True = attend) for SDPA."""
-    batch, num_anchors = anchors.shape
-    num_queries = num_anchors * block_size
-    device = anchors.device
-    mask_mod = block_mask_mod(anchors, context_len, block_size, window)
-    return mask_mod(
-        torch.arange(batch, device=device)[:, None, None, None],
-        torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device),
-        torch.arange(num_queries, device=device)[None, None, :, None],
-        torch.arange(context_len + num_queries, device=device)[None, None, None, :],
-    )
-
-
-# flex_attention's default tile: masks are described per (128 queries x 128 keys) tile.
-FLEX_TILE = 128
-
-
-def _tiles_to_ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
-    """[B, Qt, KVt] bool -> (count [B,1,Qt], indices [B,1,Qt,KVt]) int32, the listed tiles first."""
-    count = tiles.sum(-1, dtype=torch.int32)
-    indices = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return count[:, None].contiguous(), indices[:, None].contiguous()
-
-
-def flex_block_mask(
-    anchors: Tensor, context_len: int, block_size: int, window: int | None = None
-) -> BlockMask:
-    """The block-sparse mask as a flex_attention BlockMask (heads broadcast), built tile by tile.
-
-    The mask's structure is known, so each (query tile, key tile) is classified from the anchors
-    alone: a context tile is *full* when every query's anchor lies beyond it, *empty* when none
-    does; block-token tiles are partial where the query and key block ranges meet. That is a few
-    small tensor ops, instead of evaluating mask_mod on all Q x (S+Q) pairs as create_block_mask
-    does (compiled, that took 155 s of cold start on an H200; eager, it materialises the pairs).
-    Partial tiles apply `block_mask_mod` element by element, so the result is exact. With a
-    `window`, a context tile is full only if also every query lies within the window of every key,
-    and listed at all only if some query can reach its last key.
-    """
-    batch, num_anchors = anchors.shape
-    num_queries = num_anchors * block_size
-    num_keys = context_len + num_queries
-    q_tiles, kv_tiles = -(-num_queries // FLEX_TILE), -(-num_keys // FLEX_TILE)
-    device = anchors.device
-    # Each query's anchor, padded to whole tiles with the last one (padding rows are never computed).
-    query_anchor = anchors[:, :, None].expand(batch, num_anchors, block_size).reshape(batch, num_queries)
-    padding = q_tiles * FLEX_TILE - num_queries
-    query_anchor = torch.cat([query_anchor, query_anchor[:, -1:].expand(batch, padding)], dim=1)
-    per_tile = query_anchor.view(batch, q_tiles, FLEX_TILE)
-    lowest, highest = per_tile.min(-1).values[:, :, None], per_tile.max(-1).values[:, :, None]
-    # Query positions a_n + q % Bs lie in [lowest, highest + Bs - 1] within a tile.
-
-    key_start = torch.arange(kv_tiles, device=device) * FLEX_TILE
-    key_end = (key_start + FLEX_TILE).clamp(max=num_keys)
-    # Context keys [key_start, min(key_end, S)): query q sees key j iff j < anchor(q).
-    sees_context = (key_start < context_len) & (key_start < highest)
-    all_context = (key_end <= context_len) & (key_end <= lowest)
-    if window is not None:
-        sees_context = sees_context & (lowest - (key_end - 1) < window)
-        all_context = all_context & (highest + block_size - 1 - key_start < window)
-    # Block keys: block-token t (key S + t) is seen by the queries of block t // Bs only.
-    query_start = torch.arange(q_tiles, device=device) * FLEX_TILE
-    query_end = (query_start + FLEX_TILE).clamp(max=num_queries)
-    first_query_block, last_query_block = query_start // block_size, (query_end - 1) // block_size
-    first_key_block = (key_start.clamp(min=context_len) - context_len) // block_size
-    last_key_block = (key_end - 1 - context_len) // block_size
-    sees_blocks = (
-        (key_end > context_len)
-        & (first_key_block <= last_query_block[:, None])
-        & (first_query_block[:, None] <= last_key_block)
-    )
-    full = all_context
-    partial = (sees_context | sees_blocks) & ~full
-    kv_count, kv_indices = _tiles_to_ordered(partial)
-    full_count, full_indices = _tiles_to_ordered(full)
-    return BlockMask.from_kv_blocks(
-        kv_count,
-        kv_indices,
-        full_count,
-        full_indices,
-        BLOCK_SIZE=FLEX_TILE,
-        mask_mod=block_mask_mod(anchors, context_len, block_size, window),
-        seq_lengths=(num_queries, num_keys),
-    )
 
 
 # ----------------------------------------------------------------------------- loss

@@ -14,16 +14,14 @@ from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_atten
 from dflash_mp.block_diffusion import (
     block_inputs,
     block_labels,
-    block_mask_mod,
     chunked_lm_head_loss,
     context_positions,
     decay_weighted_ce,
-    dense_block_mask,
     drafter_loss,
-    flex_block_mask,
     per_position_accuracy,
     sample_anchors,
 )
+from dflash_mp.block_mask import block_mask_mod, dense_block_mask, flex_block_mask
 
 VOCAB, HIDDEN, NUM_FEATURE_LAYERS, BLOCK, MASK_ID = 50, 32, 2, 4, 49
 

@@ -27,14 +27,12 @@ from transformers import Qwen3Config
 from dflash_mp.block_diffusion import (
     block_inputs,
     block_labels,
-    block_mask_mod,
     chunked_lm_head_loss,
     decay_weighted_ce,
-    dense_block_mask,
     drafter_loss,
-    flex_block_mask,
     sample_anchors,
 )
+from dflash_mp.block_mask import block_mask_mod, dense_block_mask, flex_block_mask
 from dflash_mp.config import ConfigError, validate
 from dflash_mp.decoding import _propose, speculative_generate
 from dflash_mp.evaluation import load_eval_prompts, stop_token_ids
