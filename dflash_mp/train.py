@@ -54,7 +54,7 @@ def run_rank(dict_cfg: DictConfig) -> None:
         append_job_log(run_dir, f"process groups time out after {timeout_s:g}s ({why})")
     watchdog.start(run_dir, job.rank, job.role.value, cfg.watchdog.timeout_s)
     try:
-        _run_role(cfg, dict_cfg, job, run_dir)
+        _run_role(cfg, job, run_dir)
     except watchdog.Preempted as stop:
         watchdog.finish("preempted")
         append_job_log(run_dir, f"rank {job.rank} ({job.role.value}) {stop}")
@@ -107,7 +107,7 @@ def _claim_run_dir(cfg, run_dir: Path, job) -> None:
         sys.exit(EXIT_CONFIG_ERROR)
 
 
-def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
+def _run_role(cfg, job, run_dir: Path) -> None:
     from dflash_mp import checkpoint
     from dflash_mp.data import JsonlIndex
     from dflash_mp.distributed import broadcast_int
@@ -180,9 +180,11 @@ def _run_role(cfg, dict_cfg: DictConfig, job, run_dir: Path) -> None:
         # Loads the whole target beside the drafter: enable eval.every only where it fits.
         evaluator = AcceptanceEvaluator(cfg, job.device)
     if job.is_first_drafter:
-        metrics = MetricsLogger(
-            run_dir, steps, start_step, cfg.logger, OmegaConf.to_container(dict_cfg, resolve=True)
-        )
+        from dflash_mp.config import run_config
+
+        # wandb gets what config.yaml records: train.gamma and model.mask_token_id resolved.
+        resolved = OmegaConf.to_container(run_config(cfg), resolve=True)
+        metrics = MetricsLogger(run_dir, steps, start_step, cfg.logger, resolved)
         log.info("training %d steps from step %d", steps, start_step)
 
     def checkpoint_due(step: int) -> bool:
