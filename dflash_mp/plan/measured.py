@@ -17,7 +17,8 @@ from dflash_mp.plan.costs import ModelShape, Workload, target_weight_bytes
 
 SCHEMA = "dflash_mp.bench/1"
 STAGE_SECTIONS = "setup,target_only,drafter_only"
-# Memory per GPU by device name, first match wins (GH200 before H200; ambiguous names are absent).
+# Memory per GPU by device name, first match wins (GH200 before H200: its name's "480GB" counts CPU
+# memory too, and its GPU comes with 96 or 144 GB, so the flag must say).
 _GPU_MEMORY_GB = (
     ("GH200", None),
     ("H200", 141.0),
@@ -60,14 +61,12 @@ class BenchRecord:
 
 
 def gpu_memory_gb(device_name: str) -> float | None:
-    """A GPU's memory from its name ("... 80GB" in the name, else a known model); None if unknown."""
-    stated = re.search(r"(\d+)\s*GB", device_name, flags=re.IGNORECASE)
-    if stated:
-        return float(stated.group(1))
+    """A GPU's memory from its name (a known model, else "...80GB" in the name); None if unknown."""
     for model, memory in _GPU_MEMORY_GB:
         if model in device_name.upper():
             return memory
-    return None
+    stated = re.search(r"(\d+)\s*GB", device_name, flags=re.IGNORECASE)
+    return float(stated.group(1)) if stated else None
 
 
 def _ok(sections: dict[str, Any], name: str) -> dict[str, Any] | None:
