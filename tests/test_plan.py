@@ -211,9 +211,14 @@ def test_costs_count_as_the_benchmark_counts() -> None:
 
 @pytest.mark.parametrize(
     ("name", "memory"),
-    [("NVIDIA H200", 141.0), ("NVIDIA A100-SXM4-80GB", 80.0), ("NVIDIA H100 80GB HBM3", 80.0),
-     ("NVIDIA GH200 480GB", None), ("cpu", None)],
-)  # fmt: skip
+    [
+        ("NVIDIA H200", 141.0),
+        ("NVIDIA A100-SXM4-80GB", 80.0),
+        ("NVIDIA H100 80GB HBM3", 80.0),
+        ("NVIDIA GH200 480GB", None),
+        ("cpu", None),
+    ],
+)
 def test_gpu_memory_by_device_name(name: str, memory: float | None) -> None:
     assert gpu_memory_gb(name) == memory
 

@@ -131,9 +131,17 @@ def make_plan(args: argparse.Namespace) -> Plan:
     stage = stage_model(shape, workload, bench, opts)
     found, left_out = candidates(stage, opts)
     return Plan(
-        args.gpus, memory, opts.usable_gb, shape, workload, args.bench, stage, found, left_out,
-        2 * target_params(shape) / 1e9,
-    )  # fmt: skip
+        gpus=args.gpus,
+        gpu_memory_gb=memory,
+        usable_gb=opts.usable_gb,
+        shape=shape,
+        workload=workload,
+        bench=args.bench,
+        stage=stage,
+        candidates=found,
+        left_out=left_out,
+        eval_target_gb=2 * target_params(shape) / 1e9,
+    )
 
 
 def launch_command(plan: Plan, best: Candidate) -> str:

@@ -85,8 +85,14 @@ def _rate(ms: float | None, flag: str, measured: float | None, flops_ratio: floa
     return Number(measured / flops_ratio, "scaled", f"{measured:.2f} x FLOPs ratio {1 / flops_ratio:.3f}")
 
 
-def _memory(static: float, activation: float, bench_static: float, bench_activation: float,
-            peak_gb: float | None, same: bool) -> Number:  # fmt: skip
+def _memory(
+    static: float,
+    activation: float,
+    bench_static: float,
+    bench_activation: float,
+    peak_gb: float | None,
+    same: bool,
+) -> Number:
     """GB on one GPU: weights/state from the shape + activations, calibrated on a measured peak."""
     if peak_gb is not None and same:
         return Number(peak_gb, "measured")
@@ -227,16 +233,16 @@ def candidates(stage: StageModel, opts: Options) -> tuple[list[Candidate], list[
     else:
         found.append(
             Candidate(
-                "colocated",
-                n * stage.colocated_rate.value,
-                0,
-                n,
-                1,
-                None,
-                stage.colocated_gb.value,
-                "both stages on every GPU",
-                "topology=colocated",
-            )  # fmt: skip
+                layout="colocated",
+                samples_per_s=n * stage.colocated_rate.value,
+                targets=0,
+                drafters=n,
+                target_parallel=1,
+                target_gb=None,
+                gpu_gb=stage.colocated_gb.value,
+                limited_by="both stages on every GPU",
+                overrides="topology=colocated",
+            )
         )
     drafter_gb = stage.drafter_gb.value
     if not _usable(drafter_gb, opts):
