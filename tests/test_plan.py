@@ -162,7 +162,17 @@ def test_tensor_parallel_widths_that_do_not_divide_the_heads_are_left_out(tmp_pa
 def test_one_gpu_offers_colocated_only(tmp_path: Path) -> None:
     plan = plan_of("--gpus", "1", "--bench", str(bench_json(tmp_path, stages())))
     assert [c.layout for c in plan.candidates] == ["colocated"]
-    assert "TP=1: needs 1 target + 1 drafter GPUs, have 1" in plan.left_out
+    assert plan.left_out == ["splits: need 2 GPUs or more (a target and a drafter), have 1"]
+
+
+def test_a_70b_target_on_two_gpus_has_no_layout_and_says_why(tmp_path: Path, capsys) -> None:
+    target = hf_target(tmp_path, LLAMA_70B)
+    bench = str(bench_json(tmp_path, stages()))
+    assert main(["--gpus", "2", "--bench", bench, "--target", str(target)]) == 0
+    text = capsys.readouterr().out
+    assert "TP=2: needs 2 target + 1 drafter GPUs, have 2" in text
+    assert "TP=4" not in text  # the plan names the next width only
+    assert "no layout fits" in text
 
 
 def test_the_cli_plans_from_the_recorded_two_gpu_benchmark(capsys: pytest.CaptureFixture) -> None:
@@ -258,3 +268,35 @@ def test_a_mixture_of_experts_target_is_refused_clearly() -> None:
     shape = shape_from_hf_config({**LLAMA_70B, "num_experts": 0}, name="dense")
     assert shape == ModelShape(8192, 80, 64, 8, 128, 28672, 128256)
     assert Workload(3072, 512, 16, 5).micro_batch == 1
+
+
+def test_a_target_of_the_benchmark_shape_uses_the_measurements(tmp_path: Path) -> None:
+    qwen3_8b = {
+        "hidden_size": 4096,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    }
+    target = hf_target(tmp_path, qwen3_8b)
+    plan = plan_of(
+        "--gpus",
+        "8",
+        "--bench",
+        str(RESULTS / "h200x2-qwen3-8b.json"),
+        "--target",
+        str(target / "config.json"),
+    )
+    assert plan.stage.target_rate[1].source == plan.stage.drafter_rate.source == "measured"
+    assert plan.stage.colocated_gb.source == "measured"
+    wider = (
+        hf_target(tmp_path / "wider", {**qwen3_8b, "intermediate_size": 2 * 12288})
+        if (tmp_path / "wider").mkdir() is None
+        else None
+    )
+    plan = plan_of("--gpus", "8", "--bench", str(RESULTS / "h200x2-qwen3-8b.json"), "--target", str(wider))
+    assert plan.stage.target_rate[1].source == "scaled"
+    assert plan.stage.target_rate[1].value < 13.83 / 1.5

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dflash_mp.config import read_target_config
+from dflash_mp.embedded import embedded_path
 from dflash_mp.plan import PlanError
 from dflash_mp.plan.costs import ModelShape, Workload, shape_from_hf_config, target_params
 from dflash_mp.plan.layouts import Candidate, Options, StageModel, candidates, stage_model
@@ -67,8 +68,6 @@ def parser() -> argparse.ArgumentParser:
 
 def _target_shape(target: str) -> ModelShape:
     if target == "embedded":
-        from dflash_mp.embedded import embedded_path
-
         directory = embedded_path("target")
     else:
         path = Path(target)

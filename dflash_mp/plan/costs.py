@@ -37,8 +37,9 @@ class ModelShape:
     head_dim: int
     intermediate: int
     vocab: int
-    tied_embeddings: bool = False
-    attention_bias: bool = False
+    # Not recorded by the benchmark, so not compared: a target differing only here runs the bench's shape.
+    tied_embeddings: bool = field(default=False, compare=False)
+    attention_bias: bool = field(default=False, compare=False)
     name: str = field(default="", compare=False)
 
 
@@ -59,8 +60,8 @@ def shape_from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
     if experts:
         key, value = next(iter(experts.items()))
         raise PlanError(
-            f"--target {name}: a mixture-of-experts config ({key}={value}); the plan models dense "
-            "decoders only: pass no --target and a benchmark JSON measured on this target instead"
+            f"--target {name}: a mixture-of-experts config ({key}={value}); the plan counts parameters, "
+            "FLOPs and memory of dense decoders only, so it cannot plan this target"
         )
     missing = [
         key

@@ -37,6 +37,8 @@ class Number:
 
 @dataclass(frozen=True)
 class Options:
+    """The plan's settings (cli.py fills them from the flags)."""
+
     gpus: int
     usable_gb: float
     tp_efficiency: float = 0.85
@@ -137,9 +139,8 @@ def stage_model(
         if shape.heads % k or shape.kv_heads % k
     }
     target_rate = {}
-    for k in TP_WIDTHS:
-        if k in refused:
-            continue
+    # Widths up to the GPUs left beside one drafter; TP=1 always (colocated uses its rate).
+    for k in (k for k in TP_WIDTHS if k not in refused and (k == 1 or k < opts.gpus)):
         if k == measured_k:
             target_rate[k] = base
         else:
@@ -147,8 +148,7 @@ def stage_model(
             how = f"{k} GPUs x {opts.tp_efficiency:g} (--tp-efficiency) x the TP={measured_k} rate"
             target_rate[k] = Number(value, "assumed", how if k > 1 else f"TP={measured_k} rate / its factor")
 
-    stage_time = 1 / target_rate[1].value + 1 / drafter.value if 1 in target_rate else None
-    colocated = _colocated_rate(bench, same, stage_time)
+    colocated = _colocated_rate(bench, same, 1 / target_rate[1].value + 1 / drafter.value)
     if opts.pipeline_efficiency is not None:
         efficiency = Number(opts.pipeline_efficiency, "given", "--efficiency")
     elif bench and bench.pipeline_efficiency:
@@ -182,12 +182,10 @@ def stage_model(
     )
 
 
-def _colocated_rate(bench: BenchRecord | None, same: bool, stage_time: float | None) -> Number:
+def _colocated_rate(bench: BenchRecord | None, same: bool, stage_time: float) -> Number:
     measured = bench.colocated_rate_per_gpu if bench else None
     if same and measured:
         return Number(measured, "measured", f"per GPU, at {bench.world_size} GPU(s)")
-    if stage_time is None:
-        return Number(0.0, "estimated", "no TP=1 target rate")
     if measured and bench.target_rate and bench.drafter_rate:
         # The measured colocated rate against 1 / (t_target + t_drafter) on the benchmark's shape.
         overlap = measured * (1 / bench.target_rate + 1 / bench.drafter_rate)
@@ -226,9 +224,7 @@ def candidates(stage: StageModel, opts: Options) -> tuple[list[Candidate], list[
     left_out: list[str] = []
     usable = f"{opts.usable_gb:.1f} GB usable"
     n = opts.gpus
-    if stage.colocated_rate.value <= 0:
-        left_out.append("colocated: no TP=1 target rate to combine")
-    elif not _usable(stage.colocated_gb.value, opts):
+    if not _usable(stage.colocated_gb.value, opts):
         left_out.append(f"colocated: target + drafter {stage.colocated_gb.value:.1f} GB per GPU > {usable}")
     else:
         found.append(
@@ -247,17 +243,19 @@ def candidates(stage: StageModel, opts: Options) -> tuple[list[Candidate], list[
     drafter_gb = stage.drafter_gb.value
     if not _usable(drafter_gb, opts):
         left_out.append(f"every split: drafter rank {drafter_gb:.1f} GB > {usable}")
-    for k in TP_WIDTHS:
+    if n < 2:
+        left_out.append(f"splits: need 2 GPUs or more (a target and a drafter), have {n}")
+    for k in TP_WIDTHS if n >= 2 else ():
         if k in stage.refused_widths:
             if k > 1:
                 left_out.append(f"TP={k}: {stage.refused_widths[k]}")
             continue
-        target_gb = stage.target_gb[k].value
         if k + 1 > n:
             # Worth saying only when no narrower replica fits: then this width was the way out.
-            if not any(_usable(stage.target_gb[j].value, opts) for j in stage.target_gb if j < k):
+            if not any(_usable(gb.value, opts) for gb in stage.target_gb.values()):
                 left_out.append(f"TP={k}: needs {k} target + 1 drafter GPUs, have {n}")
-            continue
+            break
+        target_gb = stage.target_gb[k].value
         if not _usable(target_gb, opts):
             left_out.append(f"TP={k}: target rank {target_gb:.1f} GB > {usable}")
             continue
