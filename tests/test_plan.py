@@ -76,8 +76,8 @@ def plan_of(*argv: str):
     return make_plan(parser().parse_args(list(argv)))
 
 
-def hf_target(tmp_path: Path, config: dict) -> Path:
-    directory = tmp_path / "target"
+def hf_target(tmp_path: Path, config: dict, name: str = "target") -> Path:
+    directory = tmp_path / name
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(config))
     return directory
@@ -292,11 +292,7 @@ def test_a_target_of_the_benchmark_shape_uses_the_measurements(tmp_path: Path) -
     )
     assert plan.stage.target_rate[1].source == plan.stage.drafter_rate.source == "measured"
     assert plan.stage.colocated_gb.source == "measured"
-    wider = (
-        hf_target(tmp_path / "wider", {**qwen3_8b, "intermediate_size": 2 * 12288})
-        if (tmp_path / "wider").mkdir() is None
-        else None
-    )
+    wider = hf_target(tmp_path, {**qwen3_8b, "intermediate_size": 2 * 12288}, name="wider")
     plan = plan_of("--gpus", "8", "--bench", str(RESULTS / "h200x2-qwen3-8b.json"), "--target", str(wider))
     assert plan.stage.target_rate[1].source == "scaled"
     assert plan.stage.target_rate[1].value < 13.83 / 1.5
