@@ -143,6 +143,14 @@ def make_plan(args: argparse.Namespace) -> Plan:
     )
 
 
+def workload_overrides(w: Workload) -> str:
+    """The config the rates were measured at: a run with other values trains at other rates."""
+    return (
+        f"data.max_length={w.seq_len} data.num_anchors={w.num_anchors} model.block_size={w.block_size} "
+        f"model.draft_layers={w.draft_layers} train.micro_batch_size={w.micro_batch}"
+    )
+
+
 def launch_command(plan: Plan, best: Candidate) -> str:
     return f"torchrun --nproc-per-node {plan.gpus} -m dflash_mp.train {best.overrides} ..."
 
@@ -192,7 +200,11 @@ def render_text(plan: Plan) -> str:
         )
         return "\n".join(lines)
     best = plan.candidates[0]
-    lines += [f"best: {best.layout}, {best.samples_per_s:.2f} samples/s", f"  {launch_command(plan, best)}"]
+    lines += [
+        f"best: {best.layout}, {best.samples_per_s:.2f} samples/s",
+        f"  {launch_command(plan, best)}",
+        f"  (the rates hold at {workload_overrides(plan.workload)}, every sequence full length)",
+    ]
     close = [c for c in plan.candidates[1:] if c.samples_per_s >= best.samples_per_s * (1 - SPREAD)]
     if close:
         names = ", ".join(f"{c.layout} ({c.samples_per_s:.2f})" for c in close)
@@ -220,6 +232,7 @@ def plan_dict(plan: Plan) -> dict:
         "usable_gb": plan.usable_gb,
         "target": {**asdict(plan.shape), "params": target_params(plan.shape)},
         "workload": asdict(plan.workload),
+        "workload_overrides": workload_overrides(plan.workload),
         "bench": plan.bench,
         "inputs": asdict(plan.stage),
         "candidates": [asdict(c) for c in plan.candidates],
