@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -296,3 +298,11 @@ def test_a_target_of_the_benchmark_shape_uses_the_measurements(tmp_path: Path) -
     plan = plan_of("--gpus", "8", "--bench", str(RESULTS / "h200x2-qwen3-8b.json"), "--target", str(wider))
     assert plan.stage.target_rate[1].source == "scaled"
     assert plan.stage.target_rate[1].value < 13.83 / 1.5
+
+
+def test_python_dash_m_runs_the_plan_and_exits_2_on_bad_input(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "dflash_mp.plan", "--gpus", "8", "--bench"]
+    done = subprocess.run([*command, str(RESULTS / "h200x2-qwen3-8b.json")], capture_output=True, text=True)
+    assert done.returncode == 0 and "best: " in done.stdout
+    done = subprocess.run([*command, str(tmp_path / "none.json")], capture_output=True, text=True)
+    assert done.returncode == 2 and "none.json: no such file" in done.stderr and not done.stdout
