@@ -15,8 +15,11 @@ DEVICE ?= auto
 BENCH_OUT ?= bench-$(SHAPE).json
 # 2: 1 target + 1 drafter rank (every section); 1: one GPU plays both roles (stage sections only).
 BENCH_RANKS ?= 2
+GPUS ?= 8
+BENCH ?= bench/results/h200x2-qwen3-8b.json
+TARGET ?=
 
-.PHONY: help setup test lint format train eval plot start status stop doctor bench clean
+.PHONY: help setup test lint format train eval plot start status stop doctor bench plan clean
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-8s %s\n", $$1, $$2}'
@@ -68,6 +71,9 @@ doctor: setup ## Preflight checks for a config; ARGS="key=value ..."
 bench: setup ## GPU benchmark (SHAPE=qwen3-8b|qwen3-4b|tiny DEVICE=auto|cpu BENCH_RANKS=2|1 BENCH_OUT=path BENCH_ARGS=...)
 	NCCL_NVLS_ENABLE=0 $(PY) -m torch.distributed.run --standalone --nproc-per-node $(BENCH_RANKS) bench/bench.py \
 		--shape $(SHAPE) --device $(DEVICE) --out $(BENCH_OUT) $(BENCH_ARGS)
+
+plan: setup ## Best layout for GPUS=8 from a benchmark JSON: BENCH=path [TARGET=hf-dir] ARGS=--json
+	$(PY) -m dflash_mp.plan --gpus $(GPUS) --bench $(BENCH) $(if $(TARGET),--target $(TARGET)) $(ARGS)
 
 clean: ## Remove .venv and local run outputs
 	rm -rf $(VENV) runs outputs multirun .pytest_cache .ruff_cache

@@ -1,0 +1,253 @@
+"""`python -m dflash_mp.plan`: arguments, the plan as a table or JSON, exit codes (0 planned, 2 bad input)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dflash_mp.config import read_target_config
+from dflash_mp.embedded import embedded_path
+from dflash_mp.plan import PlanError
+from dflash_mp.plan.costs import ModelShape, Workload, shape_from_hf_config, target_params
+from dflash_mp.plan.layouts import Candidate, Options, StageModel, candidates, stage_model
+from dflash_mp.plan.measured import BenchRecord, gpu_memory_gb, read_bench
+
+# Without a benchmark JSON: the paper recipe (conf/experiment/paper.yaml, conf/model/qwen3-8b.yaml).
+PAPER_WORKLOAD = Workload(seq_len=3072, num_anchors=512, block_size=16, draft_layers=5, micro_batch=1)
+# Two layouts closer than this are within the benchmark's run-to-run spread (BENCHMARKS.md: ~3-5%).
+SPREAD = 0.05
+
+
+@dataclass
+class Plan:
+    gpus: int
+    gpu_memory_gb: float
+    usable_gb: float
+    shape: ModelShape
+    workload: Workload
+    bench: str | None
+    stage: StageModel
+    candidates: list[Candidate]
+    left_out: list[str]
+    eval_target_gb: float  # the whole target, which the first drafter rank loads to evaluate tau
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dflash_mp.plan",
+        description="Candidate layouts of N GPUs (colocated, T:D splits, tensor-parallel target replicas) "
+        "with expected samples/s and memory per GPU, from the benchmark's measured stage rates.",
+    )
+    p.add_argument("--gpus", type=int, required=True, help="GPUs the job gets (world size)")
+    p.add_argument("--bench", help="bench/bench.py result JSON: stage rates, peak memories, device, shape")
+    p.add_argument(
+        "--target", help="the target's HF directory (config.json), or 'embedded'; default: the bench shape"
+    )
+    p.add_argument(
+        "--gpu-memory-gb", type=float, help="memory per GPU; default: from the bench JSON's device name"
+    )
+    p.add_argument(
+        "--usable-fraction", type=float, default=0.9, help="share of GPU memory a layout may plan on"
+    )
+    p.add_argument(
+        "--tp-efficiency", type=float, default=0.85, help="assumed speed-up per GPU of a TP replica"
+    )
+    p.add_argument(
+        "--efficiency", type=float, help="pipeline efficiency of splits; default: measured, else 1.0"
+    )
+    p.add_argument(
+        "--target-ms", type=float, help="target forward ms per sample (replaces the measured rate)"
+    )
+    p.add_argument("--drafter-ms", type=float, help="drafter step ms per sample (replaces the measured rate)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def _target_shape(target: str) -> ModelShape:
+    if target == "embedded":
+        directory = embedded_path("target")
+    else:
+        path = Path(target)
+        directory = path.parent if path.name == "config.json" else path
+    if not (directory / "config.json").is_file():
+        raise PlanError(f"--target {target}: no config.json in {directory} (give the target's HF directory)")
+    try:
+        config = read_target_config(str(directory))
+    except json.JSONDecodeError as e:
+        raise PlanError(f"--target {target}: config.json is not JSON ({e})") from e
+    return shape_from_hf_config(config, name=directory.name)
+
+
+def _check(args: argparse.Namespace) -> None:
+    problems = []
+    if args.gpus < 1:
+        problems.append(f"--gpus {args.gpus}: must be at least 1")
+    if not 0 < args.usable_fraction <= 1:
+        problems.append(f"--usable-fraction {args.usable_fraction}: must be in (0, 1]")
+    if not 0 < args.tp_efficiency <= 1:
+        problems.append(f"--tp-efficiency {args.tp_efficiency}: must be in (0, 1]")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        problems.append(f"--efficiency {args.efficiency}: must be in (0, 1]")
+    for flag, value in (("--target-ms", args.target_ms), ("--drafter-ms", args.drafter_ms)):
+        if value is not None and value <= 0:
+            problems.append(f"{flag} {value}: must be positive")
+    if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
+        problems.append(f"--gpu-memory-gb {args.gpu_memory_gb}: must be positive")
+    if not args.bench and not (args.target and args.target_ms and args.drafter_ms and args.gpu_memory_gb):
+        problems.append(
+            "--bench FILE is needed (a bench/bench.py JSON), or all of --target, --target-ms, --drafter-ms "
+            "and --gpu-memory-gb"
+        )
+    if problems:
+        raise PlanError("; ".join(problems))
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """The plan for parsed arguments; bad input raises PlanError before anything is computed."""
+    _check(args)
+    bench: BenchRecord | None = read_bench(args.bench) if args.bench else None
+    shape = _target_shape(args.target) if args.target else bench.shape
+    workload = bench.workload if bench else PAPER_WORKLOAD
+    memory = args.gpu_memory_gb or (
+        gpu_memory_gb(bench.device_name) if bench and bench.device == "cuda" else None
+    )
+    if memory is None:
+        raise PlanError(
+            f"--gpu-memory-gb is needed: the benchmark ran on {bench.device_name or bench.device!r}, "
+            "whose memory per GPU the plan does not know"
+        )
+    opts = Options(
+        gpus=args.gpus,
+        usable_gb=memory * args.usable_fraction,
+        tp_efficiency=args.tp_efficiency,
+        pipeline_efficiency=args.efficiency,
+        target_ms=args.target_ms,
+        drafter_ms=args.drafter_ms,
+    )
+    stage = stage_model(shape, workload, bench, opts)
+    found, left_out = candidates(stage, opts)
+    return Plan(
+        gpus=args.gpus,
+        gpu_memory_gb=memory,
+        usable_gb=opts.usable_gb,
+        shape=shape,
+        workload=workload,
+        bench=args.bench,
+        stage=stage,
+        candidates=found,
+        left_out=left_out,
+        eval_target_gb=2 * target_params(shape) / 1e9,
+    )
+
+
+def workload_overrides(w: Workload) -> str:
+    """The config the rates were measured at: a run with other values trains at other rates."""
+    return (
+        f"data.max_length={w.seq_len} data.num_anchors={w.num_anchors} model.block_size={w.block_size} "
+        f"model.draft_layers={w.draft_layers} train.micro_batch_size={w.micro_batch}"
+    )
+
+
+def launch_command(plan: Plan, best: Candidate) -> str:
+    return f"torchrun --nproc-per-node {plan.gpus} -m dflash_mp.train {best.overrides} ..."
+
+
+def _input_rows(stage: StageModel) -> list[tuple[str, object]]:
+    rows: list[tuple[str, object]] = [
+        (f"target rate TP={k}, samples/s per replica", n) for k, n in stage.target_rate.items()
+    ]
+    rows += [
+        ("drafter rate, samples/s per rank", stage.drafter_rate),
+        ("colocated rate, samples/s per GPU", stage.colocated_rate),
+        ("pipeline efficiency of splits", stage.efficiency),
+    ]
+    rows += [(f"target rank TP={k}, GB", n) for k, n in stage.target_gb.items()]
+    rows += [("drafter rank, GB", stage.drafter_gb), ("colocated GPU, GB", stage.colocated_gb)]
+    return rows
+
+
+def render_text(plan: Plan) -> str:
+    w, s = plan.workload, plan.shape
+    lines = [
+        f"Plan for {plan.gpus} GPU(s) of {plan.gpu_memory_gb:g} GB ({plan.usable_gb:.1f} GB usable, --usable-fraction)",
+        f"target {s.name or 'from --target'}: {target_params(s) / 1e9:.1f}B parameters, hidden {s.hidden}, "
+        f"{s.layers} layers, {s.heads}/{s.kv_heads} heads; sample: {w.seq_len} tokens, {w.num_anchors} anchors "
+        f"x block {w.block_size}, {w.draft_layers} draft layers, micro-batch {w.micro_batch}"
+        + (f"; rates from {plan.bench}" if plan.bench else ""),
+        "",
+        f"{'input':<44} {'value':>8}  source",
+    ]
+    for label, number in _input_rows(plan.stage):
+        how = f" ({number.how})" if number.how else ""
+        lines.append(f"{label:<44} {number.value:>8.2f}  {number.source}{how}")
+    lines += ["", f"{'layout':<26} {'samples/s':>9}  {'GB per GPU':<22} {'limited by':<24} overrides"]
+    for c in plan.candidates:
+        memory = (
+            f"{c.gpu_gb:.1f} each"
+            if c.target_gb is None
+            else f"T {c.target_gb:.1f} / D {plan.stage.drafter_gb.value:.1f}"
+        )
+        lines.append(f"{c.layout:<26} {c.samples_per_s:>9.2f}  {memory:<22} {c.limited_by:<24} {c.overrides}")
+    if plan.left_out:
+        lines += ["", "left out:"] + [f"  {reason}" for reason in plan.left_out]
+    lines.append("")
+    if not plan.candidates:
+        lines.append(
+            "no layout fits: more memory per GPU (--gpu-memory-gb), more GPUs, or a smaller workload"
+        )
+        return "\n".join(lines)
+    best = plan.candidates[0]
+    lines += [
+        f"best: {best.layout}, {best.samples_per_s:.2f} samples/s",
+        f"  {launch_command(plan, best)}",
+        f"  (the rates hold at {workload_overrides(plan.workload)}, every sequence full length)",
+    ]
+    close = [c for c in plan.candidates[1:] if c.samples_per_s >= best.samples_per_s * (1 - SPREAD)]
+    if close:
+        names = ", ".join(f"{c.layout} ({c.samples_per_s:.2f})" for c in close)
+        lines.append(
+            f"  within {SPREAD:.0%}, inside the benchmark's run-to-run spread: {names}; measure both"
+        )
+    drafter_gb = best.gpu_gb if best.target_gb is None else plan.stage.drafter_gb.value
+    with_eval = drafter_gb + plan.eval_target_gb
+    verdict = "fits" if with_eval <= plan.usable_gb else "does not fit: set eval.every=0, or evaluate offline"
+    lines.append(
+        f"note: with eval.every > 0 the first drafter rank also loads the whole target to measure tau "
+        f"({plan.eval_target_gb:.1f} GB more, {with_eval:.1f} GB): {verdict}"
+    )
+    lines.append(
+        "note: rates are from standalone stages; transport and DDP costs beyond the measured efficiency are not modelled"
+    )
+    return "\n".join(lines)
+
+
+def plan_dict(plan: Plan) -> dict:
+    best = plan.candidates[0] if plan.candidates else None
+    return {
+        "gpus": plan.gpus,
+        "gpu_memory_gb": plan.gpu_memory_gb,
+        "usable_gb": plan.usable_gb,
+        "target": {**asdict(plan.shape), "params": target_params(plan.shape)},
+        "workload": asdict(plan.workload),
+        "workload_overrides": workload_overrides(plan.workload),
+        "bench": plan.bench,
+        "inputs": asdict(plan.stage),
+        "candidates": [asdict(c) for c in plan.candidates],
+        "left_out": plan.left_out,
+        "best": None if best is None else {**asdict(best), "command": launch_command(plan, best)},
+        "eval_target_gb": plan.eval_target_gb,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        plan = make_plan(args)
+    except PlanError as e:
+        print(f"plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan_dict(plan), indent=1) if args.json else render_text(plan))
+    return 0

@@ -1,0 +1,173 @@
+"""What a target shape costs: parameters, FLOPs per sample and bytes on a GPU, for target and drafter.
+
+FLOPs are counted as bench/ counts them (`setup.*.flops_counting` in its JSON), so a measured time
+carries to another shape by the ratio of FLOPs at the same MFU. Bytes are weights from the shape
+plus an activation estimate whose terms follow what stays alive at the peak; at the Qwen3-8B shape
+they give 0.47 GB for the target and 7.2 GB for the drafter, against 0.48 and 6.7 GB measured
+(bench/results/h200x2-qwen3-8b.json), and where the benchmark measured a peak the plan scales the
+measured activation by these estimates instead of using them raw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_mp.config import default_target_layer_ids
+from dflash_mp.plan import PlanError
+
+BF16 = 2
+# Drafter training state per trainable parameter: fp32 weight, fp32 gradient, two fp32 AdamW moments.
+TRAIN_STATE_BYTES = 16
+# Rows of the LM head + cross-entropy chunk (bf16 logits and their fp32 gradient live together).
+LOSS_CHUNK_ROWS = 2048
+# Anchors sit in the response, on average three quarters into the sequence (the benchmark's data).
+MEAN_ANCHOR_POSITION = 0.75
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The target's transformer shape (the drafter's layers copy it)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    # Not recorded by the benchmark, so not compared: a target differing only here runs the bench's shape.
+    tied_embeddings: bool = field(default=False, compare=False)
+    attention_bias: bool = field(default=False, compare=False)
+    name: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one sample is: its length, anchors and block, the drafter's depth, the micro-batch."""
+
+    seq_len: int
+    num_anchors: int
+    block_size: int
+    draft_layers: int
+    micro_batch: int = 1
+
+
+def shape_from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
+    """The shape of a dense decoder from its HF config.json (a MoE target is refused)."""
+    experts = {key: config[key] for key in _MOE_KEYS if config.get(key)}
+    if experts:
+        key, value = next(iter(experts.items()))
+        raise PlanError(
+            f"--target {name}: a mixture-of-experts config ({key}={value}); the plan counts parameters, "
+            "FLOPs and memory of dense decoders only, so it cannot plan this target"
+        )
+    missing = [
+        key
+        for key in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+        )
+        if not isinstance(config.get(key), int)
+    ]
+    if missing:
+        raise PlanError(
+            f"--target {name}: config.json lacks {', '.join(missing)} (not a decoder LLM config?)"
+        )
+    heads = config["num_attention_heads"]
+    return ModelShape(
+        hidden=config["hidden_size"],
+        layers=config["num_hidden_layers"],
+        heads=heads,
+        kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        intermediate=config["intermediate_size"],
+        vocab=config["vocab_size"],
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=bool(config.get("attention_bias", False)),
+        name=name,
+    )
+
+
+def layer_params(s: ModelShape) -> int:
+    """One decoder layer: q/k/v/o projections, gated MLP, two RMSNorms and the q/k norms."""
+    q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    attention = 2 * s.hidden * q_width + 2 * s.hidden * kv_width
+    if s.attention_bias:
+        attention += q_width + 2 * kv_width
+    return attention + 3 * s.hidden * s.intermediate + 2 * s.hidden + 2 * s.head_dim
+
+
+def target_params(s: ModelShape) -> int:
+    """The whole target, embedding and (untied) LM head included: its size on disk in bf16 / 2."""
+    head = 0 if s.tied_embeddings else s.vocab * s.hidden
+    return s.vocab * s.hidden + s.layers * layer_params(s) + s.hidden + head
+
+
+def target_layers_run(s: ModelShape, w: Workload) -> int:
+    """The target runs up to its last layer feeding the drafter (DFlash's default layer spacing)."""
+    return max(default_target_layer_ids(s.layers, w.draft_layers)) + 1
+
+
+def target_flops_per_sample(s: ModelShape, w: Workload) -> float:
+    """2 x parameters run x tokens, plus causal attention over the layers run."""
+    run = target_layers_run(s, w)
+    linear = 2 * run * layer_params(s) * w.seq_len
+    attention = 2 * w.seq_len**2 * s.heads * s.head_dim * run
+    return float(linear + attention)
+
+
+def drafter_trainable_params(s: ModelShape, w: Workload) -> int:
+    """Draft layers, the fc from the concatenated target features and its norm, the final norm.
+
+    The embedding and LM head are the target's, frozen.
+    """
+    features = w.draft_layers * s.hidden
+    return w.draft_layers * layer_params(s) + features * s.hidden + 2 * s.hidden
+
+
+def drafter_flops_per_sample(s: ModelShape, w: Workload) -> float:
+    """3 x the forward of what trains + 2 x the frozen LM head's forward (its backward is the input gradient)."""
+    query = w.num_anchors * w.block_size
+    q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    per_layer = (
+        2 * query * (2 * s.hidden * q_width + 3 * s.hidden * s.intermediate)
+        + 2 * (w.seq_len + query) * 2 * s.hidden * kv_width
+        + 4 * q_width * query * (MEAN_ANCHOR_POSITION * w.seq_len + w.block_size)
+    )
+    fc = 2 * w.seq_len * w.draft_layers * s.hidden * s.hidden
+    head = 2 * s.hidden * s.vocab * w.num_anchors * (w.block_size - 1)
+    return float(3 * (w.draft_layers * per_layer + fc) + 2 * head)
+
+
+def target_weight_bytes(s: ModelShape, w: Workload, tensor_parallel: int = 1) -> float:
+    """Embedding (kept whole on every rank) + the layers run, split over the replica's ranks."""
+    return float(BF16 * (s.vocab * s.hidden + target_layers_run(s, w) * layer_params(s) / tensor_parallel))
+
+
+def target_activation_bytes(s: ModelShape, w: Workload, tensor_parallel: int = 1) -> float:
+    """Captured features and their concatenation (replicated) + one layer's transients (sharded by TP)."""
+    features = 2 * w.draft_layers * s.hidden
+    transient = s.hidden + (s.heads + 2 * s.kv_heads) * s.head_dim / tensor_parallel
+    transient += 2 * s.intermediate / tensor_parallel
+    return float(BF16 * w.micro_batch * w.seq_len * (features + transient))
+
+
+def drafter_static_bytes(s: ModelShape, w: Workload) -> float:
+    """Training state of the trainable parameters + the frozen bf16 embedding and LM head."""
+    frozen = s.vocab * s.hidden * (1 if s.tied_embeddings else 2)
+    return float(TRAIN_STATE_BYTES * drafter_trainable_params(s, w) + BF16 * frozen)
+
+
+def drafter_activation_bytes(s: ModelShape, w: Workload) -> float:
+    """Saved activations of the draft layers over the query tokens, the received features, one loss chunk."""
+    query = w.num_anchors * w.block_size
+    per_token = 4 * s.hidden + 2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + 3 * s.intermediate
+    layers = BF16 * w.draft_layers * query * per_token
+    features = 2 * BF16 * w.seq_len * w.draft_layers * s.hidden
+    loss_chunk = LOSS_CHUNK_ROWS * s.vocab * (BF16 + 4)
+    return float(w.micro_batch * (layers + features) + loss_chunk)
