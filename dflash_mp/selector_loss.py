@@ -22,6 +22,8 @@ one (the head's argmax): position k counts as accepted when every pick up to k e
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TypedDict
 
 import torch
@@ -107,12 +109,10 @@ def selector_loss(
         raise ValueError(f"gold_outside_top_k={gold_outside_top_k!r}: must be one of {GOLD_OUTSIDE_TOP_K}")
     batch, num_blocks, block_size = labels.shape
     top_k = candidates.shape[-1]
-    steps = block_size - 1
     scored_hidden = hidden.reshape(batch, num_blocks, block_size, -1)[:, :, 1:].reshape(-1, hidden.shape[-1])
     targets = labels[:, :, 1:].reshape(-1)
     predecessors = labels[:, :, :-1].reshape(-1)  # teacher forcing: the true previous token
     position_weights = weights[:, :, 1:].reshape(-1).float()
-    scored = position_weights > 0
 
     is_gold = candidates == targets[:, None]
     in_top_k = is_gold.any(-1)
@@ -129,6 +129,47 @@ def selector_loss(
     unary = scale_logits(
         candidate_logits(scored_hidden, head_weight, loss_candidates, chunk_rows), multiplier, softcap
     )
+    # Compiled on a GPU: the selector's many small ops (the walk alone is Bs-1 sequential steps)
+    # become a few fused kernels; on the CPU it runs eagerly, as the reference comparisons do.
+    terms = _compiled_selector_terms() if hidden.is_cuda else _selector_terms
+    loss, stats = terms(
+        selector,
+        scored_hidden,
+        unary,
+        candidates,
+        loss_candidates,
+        gold_index,
+        in_top_k,
+        predecessors,
+        targets,
+        labels[:, :, 0].reshape(-1),
+        loss_weights,
+        position_weights,
+        weight_sum,
+        block_size - 1,
+    )
+    return loss, stats
+
+
+def _selector_terms(
+    selector: CandidateSelector,
+    scored_hidden: Tensor,
+    unary: Tensor,
+    candidates: Tensor,
+    loss_candidates: Tensor,
+    gold_index: Tensor,
+    in_top_k: Tensor,
+    predecessors: Tensor,
+    targets: Tensor,
+    anchor_ids: Tensor,
+    loss_weights: Tensor,
+    position_weights: Tensor,
+    weight_sum: Tensor,
+    steps: int,
+) -> tuple[Tensor, SelectorStats]:
+    """The selector's K-way cross-entropy over `loss_candidates` and the metrics (rows = scored
+    block positions, `steps` = Bs - 1 per block: [blocks * steps])."""
+    top_k = candidates.shape[-1]
     projected = selector.hidden_projection(scored_hidden)
     scores = unary + selector.pair_scores(projected, predecessors, loss_candidates).float()
     ce = torch.logsumexp(scores, dim=-1) - scores.gather(-1, gold_index[:, None])[:, 0]
@@ -139,15 +180,15 @@ def selector_loss(
         selector_right = (scores.argmax(-1) == gold_index) & in_top_k
         by_block = (-1, steps)
         served, _ = selector.walk_candidates(
-            projected.detach().view(batch * num_blocks, steps, -1),
-            unary.detach().view(batch * num_blocks, steps, top_k),
-            candidates.view(batch * num_blocks, steps, top_k),
-            labels[:, :, 0].reshape(-1),
+            projected.detach().view(-1, steps, projected.shape[-1]),
+            unary.detach().view(-1, steps, top_k),
+            candidates.view(-1, steps, top_k),
+            anchor_ids,
         )
         truth = targets.view(by_block)
         served_accepted = (served == truth).int().cumprod(-1).bool()
         unary_accepted = (candidates[:, 0].view(by_block) == truth).int().cumprod(-1).bool()
-        scored_by_block = scored.view(by_block)
+        scored_by_block = (position_weights > 0).view(by_block)
 
         def per_index(hit: Tensor) -> Tensor:
             counts = (hit.view(by_block) & scored_by_block).sum(0)
@@ -161,6 +202,11 @@ def selector_loss(
             loss=loss.detach().float(),
         )
     return loss, stats
+
+
+@functools.cache
+def _compiled_selector_terms() -> Callable[..., tuple[Tensor, SelectorStats]]:
+    return torch.compile(_selector_terms)
 
 
 # ----------------------------------------------------------------------------- per-step metrics
