@@ -13,7 +13,7 @@ ARGS ?=
 SHAPE ?= qwen3-8b
 DEVICE ?= auto
 BENCH_OUT ?= bench-$(SHAPE).json
-# 2: 1 target + 1 drafter rank (every section); 1: one GPU plays both roles (stage sections only).
+# 2: 1 target + 1 drafter rank (every section); 1: one GPU plays both roles (no pipeline/transport).
 BENCH_RANKS ?= 2
 
 .PHONY: help setup test lint format train eval plot start status stop doctor bench clean

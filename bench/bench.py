@@ -21,11 +21,13 @@ section, so a failure never costs the sections already measured. Rank 0 writes -
 the table; the exit status is 0 when every section that ran succeeded.
 
 Single-rank mode (WORLD_SIZE 1, e.g. when only one GPU is available): the one process plays both
-roles in the sections that do not communicate (matmul_peak, setup, drafter_only, target_only; the
-drafter trains without DDP). pipeline, transport and colocated need two ranks and are recorded as
-skipped; the summary's 8-GPU projection still follows from the two standalone rates. Each
-section's peak memory then includes the other role's resident objects (the target's weights
-during drafter_only, the drafter's during target_only).
+roles (matmul_peak, setup, drafter_only, target_only, profile; the drafter trains without DDP),
+and colocated runs target forward + drafter step back to back in that process without DDP: the
+colocated rate of one GPU, reported next to the two stage rates and the best split they imply.
+pipeline and transport need two ranks and are recorded as skipped; the summary's 8-GPU projection
+still follows from the two standalone rates. Each section's peak memory then includes the other
+role's resident objects (the target's weights during drafter_only, the drafter's during
+target_only); colocated first drops the drafter_only objects, so its peak is one GPU's pair.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ SCHEMA = "dflash_mp.bench/1"
 # failure in one of them, point-to-point operations may be left unmatched, so later ones are skipped.
 COMMUNICATING = {"pipeline", "transport", "colocated"}
 # Sections that need a peer: a 1-rank run records them as skipped.
-TWO_RANKS_ONLY = {"pipeline", "transport", "colocated"}
+TWO_RANKS_ONLY = {"pipeline", "transport"}
 SINGLE_RANK_SKIP = "needs 2 ranks (1 target + 1 drafter); this run has 1"
 DEFAULTS = {  # per shape kind: warm-up and measured iterations
     "gpu": dict(
@@ -143,7 +145,7 @@ class Bench:
         if world not in (1, 2):
             raise SystemExit(
                 f"bench.py runs on 2 ranks (1 target + 1 drafter) or on 1 rank (both roles, no "
-                f"pipeline/transport/colocated); WORLD_SIZE={world or 'unset'}: launch it with "
+                f"pipeline/transport); WORLD_SIZE={world or 'unset'}: launch it with "
                 "torchrun --nproc-per-node 2 (or --standalone --nproc-per-node 1 on a single GPU)"
             )
         self.world = world

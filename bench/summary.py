@@ -13,6 +13,28 @@ def _get(d: dict, *keys):
     return d
 
 
+def per_gpu_rates(
+    target_rate: float | None, drafter_rate: float | None, colocated: float | None, projection: dict | None
+) -> dict:
+    """Samples/s per GPU: measured colocated next to the stage rates and what splits of them imply.
+
+    A GPU that runs both stages back to back would do 1 / (1/target + 1/drafter) if nothing but the
+    two stages cost time; the best 8-GPU split (T targets, 8-T drafters) does best_samples_per_s / 8.
+    """
+    ideal = 1 / (1 / target_rate + 1 / drafter_rate) if target_rate and drafter_rate else None
+    best = projection["best_samples_per_s"] / 8 if projection else None
+    return {
+        "colocated_measured": colocated,
+        "target_stage": target_rate,
+        "drafter_stage": drafter_rate,
+        "colocated_from_stage_rates": ideal,
+        "best_split_of_8": best,
+        "best_split": projection["best_split"] if projection else None,
+        "colocated_measured_over_from_stages": colocated / ideal if colocated and ideal else None,
+        "best_split_over_colocated_measured": best / colocated if best and colocated else None,
+    }
+
+
 def summarize(merged: dict) -> dict:
     """Headline numbers (a pure function of the sections; None where a section did not run)."""
     s = merged["sections"]
@@ -29,10 +51,14 @@ def summarize(merged: dict) -> dict:
         for v in (_get(s, "colocated", "per_rank") or {}).values()
         if "samples_per_s" in (v or {})
     ]
-    colocated_rate = sum(colocated_ranks) if len(colocated_ranks) == 2 else None
+    world = merged["setup"].get("world_size", 2)
+    # Every rank ran the colocated pair (2 ranks under DDP, or the one rank alone).
+    colocated_rate = sum(colocated_ranks) if len(colocated_ranks) == world else None
+    colocated_per_gpu = colocated_rate / world if colocated_rate is not None else None
     if colocated_rate is not None:
         s["colocated"]["samples_per_s_total"] = colocated_rate
         s["colocated"]["tokens_per_s_total"] = colocated_rate * merged["shape"]["seq_len"]
+        s["colocated"]["samples_per_s_per_gpu"] = colocated_per_gpu
     bottleneck = min(target_rate, drafter_rate) if target_rate and drafter_rate else None
     efficiency = pipeline_rate / bottleneck if pipeline_rate and bottleneck else None
     if efficiency is not None:
@@ -48,7 +74,7 @@ def summarize(merged: dict) -> dict:
         if target_flops is not None and drafter_flops_mb
         else None
     )
-    total_peak = sum(peaks.values()) * 1e12 if len(peaks) == 2 and all(peaks.values()) else None
+    total_peak = sum(peaks.values()) * 1e12 if len(peaks) == world and all(peaks.values()) else None
 
     def system_mfu(rate):
         return rate * per_sample / total_peak if rate and per_sample and total_peak else None
@@ -124,6 +150,7 @@ def summarize(merged: dict) -> dict:
             if pipeline_rate and colocated_rate
             else None,
         },
+        "per_gpu": per_gpu_rates(target_rate, drafter_rate, colocated_per_gpu, projection),
         "peak_memory_gb": memory,
         "peak_memory_kind": "torch.cuda.max_memory_allocated"
         if merged["setup"]["device"] == "cuda"
@@ -162,7 +189,9 @@ def print_table(merged: dict) -> None:
     memory_keys = ("target_in_pipeline", "drafter_in_pipeline", "colocated_rank0", "colocated_rank1")
     memory_label = "target | drafter | coloc r0, r1"
     if world == 1:  # no pipeline: the standalone sections' peaks
-        memory_keys, memory_label = ("target_only", "drafter_only"), "target only | drafter only"
+        memory_keys = ("target_only", "drafter_only", "colocated_rank0")
+        memory_label = "target only | drafter only | colocated"
+    per_gpu = sm.get("per_gpu") or {}
     rows = [
         (
             "matmul peak",
@@ -200,9 +229,16 @@ def print_table(merged: dict) -> None:
             f"{_fmt(sm['pipeline']['system_mfu'], '.1%')}",
         ),
         (
-            "colocated DDP x2",
+            "colocated DDP x2" if world == 2 else "colocated 1 GPU",
             "samples/s total | pipeline/coloc",
             f"{_fmt(sm['colocated']['samples_per_s'])} | {_fmt(sm['colocated']['pipeline_over_colocated'], '.2f')}",
+        ),
+        (
+            "per GPU samples/s",
+            "coloc | target, drafter | ideal | split/8",
+            f"{_fmt(per_gpu.get('colocated_measured'))} | {_fmt(per_gpu.get('target_stage'))}, "
+            f"{_fmt(per_gpu.get('drafter_stage'))} | {_fmt(per_gpu.get('colocated_from_stage_rates'))} | "
+            f"{_fmt(per_gpu.get('best_split_of_8'))} ({per_gpu.get('best_split') or '-'})",
         ),
         (
             "8-GPU projection",

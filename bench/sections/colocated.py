@@ -1,4 +1,9 @@
-"""The colocated baseline: target forward + drafter step back to back in every process."""
+"""The colocated baseline: target forward + drafter step back to back in every process.
+
+On 2 ranks both processes do so and the drafters train under DDP over both; on 1 rank the one
+process does it without DDP, which is the colocated rate of one GPU (no all-reduce cost), next to
+the stage rates that the split layouts would get from the same GPU.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ TIMEOUT_S = 420
 
 def run(bench: Bench) -> dict:
     args = bench.args
-    if bench.rank == 1:  # the drafter-only objects make room for this rank's own target
+    if "drafter" in bench.roles:  # the drafter-only objects make room for this process's colocated pair
         bench.trainer = bench.features = None
         gc.collect()
         if bench.device.type == "cuda":
@@ -30,7 +35,8 @@ def run(bench: Bench) -> dict:
         bench.extractor = bl.random_target(
             bench.shape, bench.dtype, bench.device, seed=bench.args.seed + 10, compile_layers=bench.compiled
         )
-    trainer = bench.new_trainer(group=dist.group.WORLD)  # DDP over both ranks
+    # DDP over both ranks; on 1 rank no group, so no DDP.
+    trainer = bench.new_trainer(group=None if bench.single else dist.group.WORLD)
     build_s = time.perf_counter() - start
     watch = bl.CompileWatch()
     step_s, first_step_s, t0 = [], 0.0, 0.0
@@ -41,7 +47,7 @@ def run(bench: Bench) -> dict:
             watch.start()
             t0 = prev = time.perf_counter()
         for micro in range(bench.A):
-            m = (i * 2 + bench.rank) * bench.A + micro
+            m = (i * bench.world + bench.rank) * bench.A + micro
             batch = bl.batch_to(bench.reader.read(m), bench.device)
             hidden = hidden_states_for_drafter(bench.extractor, batch, bench.dtype, bench.device)
             trainer.micro_step(features_of(batch, hidden), last_of_step=micro == bench.A - 1)
@@ -68,6 +74,8 @@ def run(bench: Bench) -> dict:
                 "recompile_reasons": watch.result()["recompile_reasons"],
             }
         },
+        "ranks": bench.world,
+        "ddp": not bench.single,
         "steps": args.colocated_iters,
         "warmup": args.warmup,
     }
