@@ -67,9 +67,23 @@ TWO_RANKS_ONLY = {"pipeline", "transport"}
 SINGLE_RANK_SKIP = "needs 2 ranks (1 target + 1 drafter); this run has 1"
 DEFAULTS = {  # per shape kind: warm-up and measured iterations
     "gpu": dict(
-        warmup=3, iters=20, colocated_iters=10, pipeline_steps=30, transport_iters=50, matmul_iters=50
+        warmup=3,
+        iters=20,
+        colocated_iters=10,
+        pipeline_steps=30,
+        transport_iters=50,
+        matmul_iters=50,
+        profile_steps=3,
     ),
-    "tiny": dict(warmup=2, iters=8, colocated_iters=4, pipeline_steps=8, transport_iters=8, matmul_iters=5),
+    "tiny": dict(
+        warmup=2,
+        iters=8,
+        colocated_iters=4,
+        pipeline_steps=8,
+        transport_iters=8,
+        matmul_iters=5,
+        profile_steps=2,
+    ),
 }
 
 
@@ -88,6 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pipeline-steps", type=int, help="measured optimizer steps of the pipeline")
     p.add_argument("--transport-iters", type=int, help="measured messages of the transport section")
     p.add_argument("--matmul-iters", type=int, help="measured matmuls of the peak")
+    p.add_argument("--profile-steps", type=int, help="profiled drafter steps of the profile section")
     p.add_argument("--matmul-n", type=int, help="matmul side (default: 8192 on GPU shapes)")
     p.add_argument(
         "--sections",
@@ -119,7 +134,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.warmup = max(1, args.warmup)
-    for key in ("iters", "colocated_iters", "pipeline_steps", "transport_iters", "matmul_iters"):
+    for key in (
+        "iters",
+        "colocated_iters",
+        "pipeline_steps",
+        "transport_iters",
+        "matmul_iters",
+        "profile_steps",
+    ):
         setattr(args, key, max(1, getattr(args, key)))
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(args.sections) - set(SECTIONS))
@@ -317,6 +339,7 @@ class Bench:
         needs = {
             "drafter_only": ["setup"],
             "target_only": ["setup"],
+            "profile": ["setup"],
             "pipeline": ["setup", "drafter_only", "target_only"],
         }.get(name, [])
         missing = [n for n in needs if not ok(n)]

@@ -164,6 +164,10 @@ def summarize(merged: dict) -> dict:
         "recompiles_after_warmup": recompiles,
         "useful_flops_per_sample": per_sample,
         "projection_8_gpus": projection,
+        "profile": {
+            key: _get(s, "profile", key)
+            for key in ("wall_ms_per_step", "device_ms_per_step", "idle_ms_per_step", "phases_ms_per_step")
+        },
         "statuses": {name: sec.get("status") for name, sec in s.items()},
     }
     if merged["setup"].get("world_size") == 1:
@@ -171,6 +175,26 @@ def summarize(merged: dict) -> dict:
             "1 rank plays both roles: each section's peak includes the other role's resident objects"
         )
     return summary
+
+
+def profile_lines(section: dict) -> list[str]:
+    """The profile section as table lines: device ms per step by phase, then the top kernels."""
+    if section.get("status") != "ok" or "phases_ms_per_step" not in section:
+        return []
+    device, wall = section["device_ms_per_step"], section["wall_ms_per_step"]
+    lines = [
+        f"profile: drafter step ({section['steps']} profiled, {section['device']}): wall {wall:.1f} ms, "
+        f"device {device:.1f} ms ({section['device_time_kind']}), idle {section['idle_ms_per_step']:.1f} ms"
+    ]
+    for phase, ms in section["phases_ms_per_step"].items():
+        share = section["phases_share"].get(phase)
+        lines.append(f"  {phase:<24} {ms:9.2f} ms  {_fmt(share, '.1%'):>6}")
+    lines.append("  top kernels by device time (ms/step, calls/step, phase):")
+    for kernel in section.get("top_kernels") or []:
+        lines.append(
+            f"  {kernel['ms_per_step']:9.2f} {kernel['calls_per_step']:7.1f}  {kernel['phase']:<22} {kernel['name'][:90]}"
+        )
+    return lines
 
 
 def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
@@ -276,6 +300,7 @@ def print_table(merged: dict) -> None:
     lines = [title, "-" * min(len(title), 110)]
     width = max(len(b) for _, b, _ in rows)
     lines += [f"{a:<18} {b:<{width}} {c}" for a, b, c in rows]
+    lines += profile_lines(merged["sections"].get("profile") or {})
     for name, section in merged["sections"].items():
         if section.get("status") == "error":
             for rank, error in (section.get("errors") or {}).items():

@@ -56,6 +56,7 @@ def test_tiny_benchmark_on_cpu_reports_every_section(tmp_path: Path) -> None:
     assert result is not None and result["schema"] == "dflash_mp.bench/1"
     sections = result["sections"]
     assert {name: sections[name]["status"] for name in SECTIONS} == dict.fromkeys(SECTIONS, "ok")
+    assert sections["profile"]["status"] == "skipped"  # not a default section
 
     assert all(_positive(sections["matmul_peak"]["per_rank"][r]["tflops"]) for r in ("0", "1"))
     assert _positive(sections["setup"]["target"]["flops_per_seq"])
@@ -225,3 +226,24 @@ def test_build_random_target_runs_the_layers_it_reads() -> None:
     torch.testing.assert_close(features[..., :32], hidden_states[2])
     with torch.no_grad():
         torch.testing.assert_close(extractor.decoder.norm(features[..., 32:]), hidden_states[4])
+
+
+@pytest.mark.slow
+def test_profile_section_reports_device_time_by_phase(tmp_path: Path) -> None:
+    # Not a default section: asked for by name; on 2 ranks the drafter rank profiles.
+    proc, result = run_bench(
+        tmp_path, "--sections", "setup,drafter_only,profile", "--iters", "2", "--profile-steps", "2"
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert result is not None
+    sections = result["sections"]
+    assert sections["profile"]["status"] == "ok" and sections["pipeline"]["status"] == "skipped"
+    profile = sections["profile"]
+    phases = profile["phases_ms_per_step"]
+    assert all(ms >= 0 for ms in phases.values()), phases
+    assert sum(phases.values()) == pytest.approx(profile["device_ms_per_step"], rel=1e-6)
+    assert _positive(profile["wall_ms_per_step"]) and profile["steps"] == 2
+    assert _positive(profile["unprofiled_ms_per_step"])  # drafter_only's step, for comparison
+    assert 0 < len(profile["top_kernels"]) <= 15
+    assert result["summary"]["profile"]["phases_ms_per_step"] == phases
+    assert "profile: drafter step" in proc.stdout and "top kernels by device time" in proc.stdout

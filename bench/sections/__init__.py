@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from sections import colocated, drafter, matmul_peak, pipeline, setup, target, transport
+from sections import colocated, drafter, matmul_peak, pipeline, profile, setup, target, transport
 
 # In running order (--sections picks among them, the order stays this one).
 SECTIONS: dict[str, ModuleType] = {
@@ -12,6 +12,7 @@ SECTIONS: dict[str, ModuleType] = {
     "setup": setup,
     "drafter_only": drafter,
     "target_only": target,
+    "profile": profile,
     "pipeline": pipeline,
     "transport": transport,
     "colocated": colocated,
