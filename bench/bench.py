@@ -10,6 +10,7 @@ the target alone (rank 0), the drafter alone (rank 1, one resident micro-batch),
 (dflash_mp.transport next to raw send/recv), the real pipeline (run_target / run_drafter with a
 synthetic reader, an in-memory random target and drafter), and the colocated baseline (target +
 drafter in every process, DDP over both). Models are random, built directly on the device.
+On demand (`--sections setup,profile`): a torch.profiler breakdown of a drafter step by phase.
 
 This file is the runner (arguments, rank layout, fault injection, watchdog, per-rank partial JSON,
 the exchange after every section); each section is a module of bench/sections/, the headline

@@ -4,9 +4,12 @@ Runs `--warmup` drafter steps (micro_step x grad_accum + optimizer_step, the fir
 when drafter_only did not run before), then profiles `--profile-steps` more: CUDA kernels on a
 GPU, CPU operators on CPU. Not in the default section list; run it with `--sections setup,profile`.
 
-Device time is the sum of kernel durations (GPU) or of operator self times (CPU: every profiled
-operator except the pure annotations, whose self time is interpreter time). Each kernel (CPU: each
-operator's self time) goes to exactly one phase, so the phases sum to the total:
+Device time is the sum of kernel, memcpy and memset durations (GPU; record_function ranges that the
+profiler mirrors onto the device timeline are not work and are left out; kernels overlapping on
+two streams count twice) or of operator self times (CPU: every profiled operator except the pure
+annotations, whose self time is interpreter time; an autograd.Function's own self time includes
+the Python in its forward). Each kernel (CPU: each operator's self time) goes to exactly one
+phase, so the phases sum to the total. The first rule that matches decides:
 
 - attention: a kernel whose name says so (flex_attention, flash, fmha, sdpa, attention/attn), or
   one launched under an SDPA / flex_attention operator, forward and backward.
@@ -29,8 +32,8 @@ operator's self time) goes to exactly one phase, so the phases sum to the total:
   and on GPU kernels the profiler could not link to a launching operator).
 
 Wall time per step is measured around the profiled steps (under the profiler, so slightly slower
-than drafter_only); wall minus device time is the time the device was idle: launch overhead and
-host work the device waited for.
+than drafter_only, whose ms/step is copied here as unprofiled_ms_per_step when it ran); wall minus
+device time is the time the device was idle: launch overhead and host work the device waited for.
 """
 
 from __future__ import annotations
@@ -75,7 +78,9 @@ BACKWARD_OF = {"layers_forward": "layers_backward", "lm_head_ce": "lm_head_ce", 
 BACKWARD_EVENT = "autograd::engine::evaluate_function: "
 ATTENTION_KERNEL = re.compile(r"flex_attention|attention|attn|flash|fmha|sdpa", re.IGNORECASE)
 ATTENTION_OP = re.compile(r"scaled_?dot_?product|flex_?attention", re.IGNORECASE)
-MATMUL_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma|wgmma|cublas|matmul|splitk", re.IGNORECASE)
+MATMUL_KERNEL = re.compile(
+    r"gemm|nvjet|cutlass|xmma|wgmma|cublas|matmul|splitk|^triton_tem_fused_(add)?b?mm", re.IGNORECASE
+)
 MATMUL_OPS = {
     "aten::mm",
     "aten::addmm",
@@ -153,11 +158,15 @@ def phase_breakdown(events, cuda: bool, steps: int, top_kernels: int = TOP_KERNE
     attention_of_event: dict[int, bool] = {}
     per_phase: dict[str, float] = dict.fromkeys(PHASES, 0.0)
     per_kernel: dict[str, list] = defaultdict(lambda: [0.0, 0, defaultdict(float)])
+    # record_function ranges also appear on the device timeline (gpu_user_annotation): not work.
+    annotations = {e.name for e in ordered if e.device_type == DeviceType.CPU and e.is_user_annotation}
     total = linked = 0.0
     for event in ordered:
         if event.device_type != DeviceType.CPU:
-            if cuda:
+            if cuda and not (event.is_user_annotation or event.name in annotations):
                 total += event.time_range.elapsed_us()
+            continue
+        if event.is_async:
             continue
         for name, us, is_matmul in _work_of(event, cuda):
             family = _phase(event, forward_phase, phase_of_event)
