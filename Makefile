@@ -13,7 +13,7 @@ ARGS ?=
 SHAPE ?= qwen3-8b
 DEVICE ?= auto
 BENCH_OUT ?= bench-$(SHAPE).json
-# 2: 1 target + 1 drafter rank (every section); 1: one GPU plays both roles (stage sections only).
+# 2: 1 target + 1 drafter rank (every section); 1: one GPU plays both roles (no pipeline/transport).
 BENCH_RANKS ?= 2
 GPUS ?= 8
 BENCH ?= bench/results/h200x2-qwen3-8b.json
@@ -68,7 +68,7 @@ stop: setup ## Stop a job (checkpoint first, SIGKILL after a timeout): RUN_DIR=p
 doctor: setup ## Preflight checks for a config; ARGS="key=value ..."
 	$(PY) -m dflash_mp.launch doctor $(ARGS)
 
-bench: setup ## GPU benchmark (SHAPE=qwen3-8b|qwen3-4b|tiny DEVICE=auto|cpu BENCH_RANKS=2|1 BENCH_OUT=path BENCH_ARGS=...)
+bench: setup ## GPU benchmark (SHAPE=qwen3-8b|qwen3-4b|tiny DEVICE=auto|cpu BENCH_RANKS=2|1 BENCH_OUT=path BENCH_ARGS=...; profile by phase: BENCH_ARGS="--sections setup,profile")
 	NCCL_NVLS_ENABLE=0 $(PY) -m torch.distributed.run --standalone --nproc-per-node $(BENCH_RANKS) bench/bench.py \
 		--shape $(SHAPE) --device $(DEVICE) --out $(BENCH_OUT) $(BENCH_ARGS)
 

@@ -10,6 +10,11 @@ the target alone (rank 0), the drafter alone (rank 1, one resident micro-batch),
 (dflash_mp.transport next to raw send/recv), the real pipeline (run_target / run_drafter with a
 synthetic reader, an in-memory random target and drafter), and the colocated baseline (target +
 drafter in every process, DDP over both). Models are random, built directly on the device.
+On demand (`--sections setup,profile`): a torch.profiler breakdown of a drafter step by phase.
+
+This file is the runner (arguments, rank layout, fault injection, watchdog, per-rank partial JSON,
+the exchange after every section); each section is a module of bench/sections/, the headline
+numbers and the table are bench/summary.py, the helpers bench/benchlib/.
 
 Every section runs under try/except and a watchdog: an error is recorded in the JSON, a rank
 blocked on a failed or hung peer gives up after a timeout, and the JSON is rewritten after every
@@ -17,11 +22,13 @@ section, so a failure never costs the sections already measured. Rank 0 writes -
 the table; the exit status is 0 when every section that ran succeeded.
 
 Single-rank mode (WORLD_SIZE 1, e.g. when only one GPU is available): the one process plays both
-roles in the sections that do not communicate (matmul_peak, setup, drafter_only, target_only; the
-drafter trains without DDP). pipeline, transport and colocated need two ranks and are recorded as
-skipped; the summary's 8-GPU projection still follows from the two standalone rates. Each
-section's peak memory then includes the other role's resident objects (the target's weights
-during drafter_only, the drafter's during target_only).
+roles (matmul_peak, setup, drafter_only, target_only, profile; the drafter trains without DDP),
+and colocated runs target forward + drafter step back to back in that process without DDP: the
+colocated rate of one GPU, reported next to the two stage rates and the best split they imply.
+pipeline and transport need two ranks and are recorded as skipped; the summary's 8-GPU projection
+still follows from the two standalone rates. Each section's peak memory then includes the other
+role's resident objects (the target's weights during drafter_only, the drafter's during
+target_only); colocated first drops the drafter_only objects, so its peak is one GPU's pair.
 """
 
 from __future__ import annotations
@@ -32,8 +39,6 @@ PROCESS_START = time.perf_counter()
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
-import gc  # noqa: E402
-import itertools  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
@@ -46,34 +51,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import benchlib as bl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from layout import ROLES, roles_by_rank  # noqa: E402
+from sections import DEFAULT_SECTIONS, SECTIONS  # noqa: E402
+from summary import print_table, summarize  # noqa: E402
 
 from dflash_mp.distributed import init_job  # noqa: E402
-from dflash_mp.roles import features_of, hidden_states_for_drafter, run_drafter, run_target  # noqa: E402
 from dflash_mp.topology import Topology  # noqa: E402
 from dflash_mp.trainer import DrafterTrainer, resolve_precision  # noqa: E402
-from dflash_mp.transport import Receiver, Sender, pack_tokens  # noqa: E402
 
 SCHEMA = "dflash_mp.bench/1"
-SECTIONS = ("matmul_peak", "setup", "drafter_only", "target_only", "pipeline", "transport", "colocated")
 # Sections whose ranks talk to each other (besides the exchange after every section): after a
 # failure in one of them, point-to-point operations may be left unmatched, so later ones are skipped.
 COMMUNICATING = {"pipeline", "transport", "colocated"}
-ROLES = ("target", "drafter")  # rank r of a 2-rank run plays ROLES[r]; a 1-rank run plays both
+# Sections that need a peer: a 1-rank run records them as skipped.
+TWO_RANKS_ONLY = {"pipeline", "transport"}
 SINGLE_RANK_SKIP = "needs 2 ranks (1 target + 1 drafter); this run has 1"
-TIMEOUT_S = {
-    "matmul_peak": 90,
-    "setup": 240,
-    "drafter_only": 420,  # the cold torch.compile of the drafter (flex_attention fwd + bwd)
-    "target_only": 180,
-    "pipeline": 300,
-    "transport": 120,
-    "colocated": 420,
-}
 DEFAULTS = {  # per shape kind: warm-up and measured iterations
     "gpu": dict(
-        warmup=3, iters=20, colocated_iters=10, pipeline_steps=30, transport_iters=50, matmul_iters=50
+        warmup=3,
+        iters=20,
+        colocated_iters=10,
+        pipeline_steps=30,
+        transport_iters=50,
+        matmul_iters=50,
+        profile_steps=3,
     ),
-    "tiny": dict(warmup=2, iters=8, colocated_iters=4, pipeline_steps=8, transport_iters=8, matmul_iters=5),
+    "tiny": dict(
+        warmup=2,
+        iters=8,
+        colocated_iters=4,
+        pipeline_steps=8,
+        transport_iters=8,
+        matmul_iters=5,
+        profile_steps=2,
+    ),
 }
 
 
@@ -92,8 +103,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pipeline-steps", type=int, help="measured optimizer steps of the pipeline")
     p.add_argument("--transport-iters", type=int, help="measured messages of the transport section")
     p.add_argument("--matmul-iters", type=int, help="measured matmuls of the peak")
+    p.add_argument("--profile-steps", type=int, help="profiled drafter steps of the profile section")
     p.add_argument("--matmul-n", type=int, help="matmul side (default: 8192 on GPU shapes)")
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    p.add_argument(
+        "--sections",
+        default=",".join(DEFAULT_SECTIONS),
+        help=f"comma list of {', '.join(SECTIONS)} (default: all but profile)",
+    )
     p.add_argument(
         "--timeout-scale", type=float, default=1.0, help="multiplies every section's watchdog timeout"
     )
@@ -119,7 +135,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.warmup = max(1, args.warmup)
-    for key in ("iters", "colocated_iters", "pipeline_steps", "transport_iters", "matmul_iters"):
+    for key in (
+        "iters",
+        "colocated_iters",
+        "pipeline_steps",
+        "transport_iters",
+        "matmul_iters",
+        "profile_steps",
+    ):
         setattr(args, key, max(1, getattr(args, key)))
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(args.sections) - set(SECTIONS))
@@ -134,76 +157,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-class TimedExtractor:
-    """The target's extractor, with a device-timeline mark before and after every forward."""
-
-    def __init__(self, extractor, device: torch.device, on_call=None) -> None:
-        self.extractor = extractor
-        self.hidden_size, self.layer_ids = extractor.hidden_size, extractor.layer_ids
-        self.marks = bl.Marks(device)
-        self.calls: list[tuple[int, int]] = []
-        self.on_call = on_call
-
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.on_call is not None:
-            self.on_call(len(self.calls) + 1)
-        start = self.marks.mark()
-        out = self.extractor(input_ids)
-        self.calls.append((start, self.marks.mark()))
-        return out
-
-
-class RecordingTrainer:
-    """DrafterTrainer as run_drafter sees it, plus a device-timeline mark where each step's data
-    is in (after the receive's stream wait) and where its optimizer step ends. In between the
-    drafter is busy; outside it waits for data."""
-
-    def __init__(self, trainer: DrafterTrainer, device: torch.device, on_call=None) -> None:
-        self.trainer = trainer
-        self.marks = bl.Marks(device)
-        self.steps: list[tuple[int, int]] = []
-        self._start: int | None = None
-        self.on_call = on_call
-        self.micro_steps = 0
-
-    @property
-    def step(self) -> int:
-        return self.trainer.step
-
-    def micro_step(self, batch, last_of_step: bool) -> None:
-        self.micro_steps += 1
-        if self.on_call is not None:
-            self.on_call(self.micro_steps)
-        if self._start is None:
-            self._start = self.marks.mark()
-        self.trainer.micro_step(batch, last_of_step=last_of_step)
-
-    def optimizer_step(self, extra: dict | None = None) -> dict:
-        record = self.trainer.optimizer_step(extra)
-        self.steps.append((self._start, self.marks.mark()))
-        self._start = None
-        return record
-
-
-def roles_by_rank(world: int) -> dict[str, str]:
-    """The header's setup.roles: rank -> role(s), '+'-joined where one rank plays both."""
-    if world == 1:
-        return {"0": "+".join(ROLES)}
-    return {str(r): role for r, role in enumerate(ROLES)}
-
-
-def rank_of(setup: dict, role: str) -> str:
-    """The rank (as a JSON key) that ran `role`, from setup.roles (2-rank layout if absent)."""
-    roles = setup.get("roles") or roles_by_rank(2)
-    return next(rank for rank, played in roles.items() if role in played.split("+"))
-
-
-def busy_fraction(marks: bl.Marks, intervals: list[tuple[int, int]]) -> tuple[float, float]:
-    """(busy seconds, span seconds) over `intervals` of `marks`."""
-    busy = sum(marks.seconds(a, b) for a, b in intervals)
-    return busy, marks.seconds(intervals[0][0], intervals[-1][1])
-
-
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -215,7 +168,7 @@ class Bench:
         if world not in (1, 2):
             raise SystemExit(
                 f"bench.py runs on 2 ranks (1 target + 1 drafter) or on 1 rank (both roles, no "
-                f"pipeline/transport/colocated); WORLD_SIZE={world or 'unset'}: launch it with "
+                f"pipeline/transport); WORLD_SIZE={world or 'unset'}: launch it with "
                 "torchrun --nproc-per-node 2 (or --standalone --nproc-per-node 1 on a single GPU)"
             )
         self.world = world
@@ -231,6 +184,7 @@ class Bench:
         self.rank, self.device = self.job.rank, self.job.device
         # The roles this process plays: one per rank on 2 ranks, both on 1.
         self.roles = set(ROLES) if self.single else {ROLES[self.rank]}
+        self.process_start = PROCESS_START
         self.startup_s = time.perf_counter() - PROCESS_START
         self.cfg = bl.bench_config(self.shape, self.device, args.micro_batch, args.grad_accum, args.override)
         self.dtype, self.attention, self.compiled = resolve_precision(self.cfg, self.device)
@@ -376,7 +330,7 @@ class Bench:
 
         if name not in self.args.sections:
             return "not selected (--sections)"
-        if self.single and name in COMMUNICATING:
+        if self.single and name in TWO_RANKS_ONLY:
             return SINGLE_RANK_SKIP
         budget = self.args.time_budget
         if budget > 0 and self.process_elapsed > budget:
@@ -386,6 +340,7 @@ class Bench:
         needs = {
             "drafter_only": ["setup"],
             "target_only": ["setup"],
+            "profile": ["setup"],
             "pipeline": ["setup", "drafter_only", "target_only"],
         }.get(name, [])
         missing = [n for n in needs if not ok(n)]
@@ -403,13 +358,13 @@ class Bench:
             return
         self.log(f"{name}: start")
         bl.memory_reset(self.device)
-        timeout = TIMEOUT_S[name] * self.args.timeout_scale
+        timeout = SECTIONS[name].TIMEOUT_S * self.args.timeout_scale
         self.watchdog.arm(name, timeout)
         start = time.perf_counter()
         error, result = None, {}
         try:
             self.fault_at(name)(0)
-            result = getattr(self, f"section_{name}")() or {}
+            result = SECTIONS[name].run(self) or {}
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             traceback.print_exc()
@@ -460,74 +415,10 @@ class Bench:
                 os.remove(path)
         return 1 if failed and self.rank == 0 else 0
 
-    # ------------------------------------------------------------------ sections
+    # ------------------------------------------------------------------ for the sections
 
-    def section_matmul_peak(self) -> dict:
-        n = self.args.matmul_n or self.shape.matmul_n
-        result = bl.matmul_peak(self.device, n, warmup=max(3, self.args.warmup), iters=self.args.matmul_iters)
-        result["device_name"] = (
-            torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        )
-        self.peak_flops = result["tflops"] * 1e12
-        return {"per_rank": {str(self.rank): result}}
-
-    def section_setup(self) -> dict:
-        result = {}
-        if "target" in self.roles:
-            result["target"] = self._setup_target()
-        if "drafter" in self.roles:
-            result["drafter"] = self._setup_drafter()
-        return result
-
-    def _setup_target(self) -> dict:
-        start = time.perf_counter()
-        self.extractor = bl.random_target(
-            self.shape, self.dtype, self.device, seed=self.args.seed, compile_layers=self.compiled
-        )
-        bl.sync(self.device)
-        flops = bl.target_flops_per_seq(self.extractor, self.shape)
-        return {
-            "build_s": time.perf_counter() - start,
-            "params_used": flops["params_used"],
-            "layers_run": flops["layers_run"],
-            "flops_per_seq": flops["per_seq"],
-            "flops_breakdown": {k: flops[k] for k in ("linear", "attention")},
-            "flops_counting": flops["counting"],
-        }
-
-    def _setup_drafter(self) -> dict:
-        start = time.perf_counter()
-        # The drafter group: None on 1 rank (the trainer then runs without DDP).
-        self.trainer = self._new_trainer(group=self.job.drafter_group)
-        batch = self.reader.read(0)
-        with bl.seeded(self.device, self.args.seed + 2):
-            hidden = torch.randn(self.B, self.S, self.feature_size, dtype=self.dtype, device=self.device)
-        self.features = bl.received_form(batch, hidden, self.device)
-        flops = bl.drafter_flops_per_micro_batch(self.shape, self.cfg, batch)
-        bl.sync(self.device)
-        return {
-            "build_s": time.perf_counter() - start,
-            "params": bl.count_params(self.trainer.drafter),
-            "flops_per_micro_batch": flops["train"],
-            "flops_per_micro_batch_head_as_trainable": flops["train_head_as_trainable"],
-            "flops_breakdown_forward": {
-                k: flops[k] for k in ("forward", "layers_linear", "layers_attention", "fc", "lm_head")
-            },
-            "tokens": {
-                k: flops[k]
-                for k in (
-                    "query_tokens",
-                    "context_tokens",
-                    "valid_anchors",
-                    "scored_tokens",
-                    "attended_pairs_per_layer",
-                    "dense_pairs_per_layer",
-                )
-            },
-            "flops_counting": flops["counting"],
-        }
-
-    def _new_trainer(self, group) -> DrafterTrainer:
+    def new_trainer(self, group) -> DrafterTrainer:
+        """A DrafterTrainer on a random drafter, embedding and head; `group` None: no DDP."""
         drafter = bl.random_drafter(self.shape, self.device, seed=self.args.seed, model_cfg=self.cfg.model)
         embed_and_head = bl.random_embed_and_head(self.shape, self.dtype, self.device, seed=self.args.seed)
         return DrafterTrainer(
@@ -539,291 +430,8 @@ class Bench:
             embed_and_head=embed_and_head,
         )
 
-    def _mfu(self, flops_per_s: float) -> float | None:
+    def mfu(self, flops_per_s: float) -> float | None:
         return flops_per_s / self.peak_flops if self.peak_flops else None
-
-    def section_drafter_only(self) -> dict:
-        if "drafter" not in self.roles:
-            return {}
-        trainer, batch, args = self.trainer, self.features, self.args
-        watch = bl.CompileWatch()
-        step_s, skipped, loss = [], 0, None
-        start = prev = time.perf_counter()
-        first_step_s = t0 = 0.0
-        for i in range(args.warmup + args.iters):
-            if i == args.warmup:
-                bl.sync(self.device)
-                watch.start()
-                t0 = prev = time.perf_counter()
-            for micro in range(self.A):
-                trainer.micro_step(batch, last_of_step=micro == self.A - 1)
-            record = trainer.optimizer_step()
-            now = time.perf_counter()
-            if i == 0:
-                first_step_s = now - start
-                self.log(
-                    f"drafter_only: first step (compile included) {first_step_s:.1f}s, loss {record['loss']:.3f}"
-                )
-            if i >= args.warmup:
-                step_s.append(now - prev)
-                skipped += bool(record["skipped"])
-                loss = record["loss"]
-            prev = now
-        bl.sync(self.device)
-        seconds = time.perf_counter() - t0
-        steps = args.iters
-        counted = self.partial["sections"]["setup"]["result"]["drafter"]
-        flops = counted["flops_per_micro_batch"] * self.A * steps
-        flops_head_as_trainable = counted["flops_per_micro_batch_head_as_trainable"] * self.A * steps
-        return {
-            "samples_per_s": steps * self.A * self.B / seconds,
-            "ms_per_step": seconds / steps * 1e3,
-            "ms_per_micro_batch": seconds / (steps * self.A) * 1e3,
-            "step_time": bl.distribution(step_s),
-            "tflops": flops / seconds / 1e12,
-            "mfu": self._mfu(flops / seconds),
-            "mfu_head_as_trainable": self._mfu(flops_head_as_trainable / seconds),
-            "first_step_s": first_step_s,
-            "process_start_to_first_step_s": start + first_step_s - PROCESS_START,
-            "steps": steps,
-            "warmup": args.warmup,
-            "skipped_nonfinite_steps": skipped,
-            "last_loss": loss,
-            "recompiles_after_warmup": watch.result()["recompiles"],
-            "recompile_reasons": watch.result()["recompile_reasons"],
-            "dynamo_frames_compiled_total": bl.frames_compiled_total(),
-            "compile_seconds_so_far": bl.compile_seconds(),
-        }
-
-    def section_target_only(self) -> dict:
-        if "target" not in self.roles:
-            return {}
-        args, batch = self.args, self.reader.read(0)
-        watch = bl.CompileWatch()
-        start, first_forward_s = time.perf_counter(), None
-        for i in range(args.warmup):
-            hidden_states_for_drafter(self.extractor, batch, self.dtype, self.device)
-            if i == 0:
-                bl.sync(self.device)
-                first_forward_s = time.perf_counter() - start
-                self.log(f"target_only: first forward (compile included) {first_forward_s:.1f}s")
-        bl.sync(self.device)
-        watch.start()
-        marks = bl.Marks(self.device)
-        t0 = time.perf_counter()
-        marks.mark()
-        for _ in range(args.iters):
-            hidden = hidden_states_for_drafter(self.extractor, batch, self.dtype, self.device)
-            marks.mark()
-        bl.sync(self.device)
-        seconds = time.perf_counter() - t0
-        assert hidden.shape == (self.B, self.S, self.feature_size), hidden.shape
-        flops = self.partial["sections"]["setup"]["result"]["target"]["flops_per_seq"] * self.B * args.iters
-        return {
-            "samples_per_s": args.iters * self.B / seconds,
-            "ms_per_seq": seconds / (args.iters * self.B) * 1e3,
-            "forward_time": bl.distribution(marks.intervals()),
-            "tflops": flops / seconds / 1e12,
-            "mfu": self._mfu(flops / seconds),
-            "iters": args.iters,
-            "warmup": args.warmup,
-            "first_forward_s": first_forward_s,
-            "compile_seconds_so_far": bl.compile_seconds(),
-            "recompiles_after_warmup": watch.result()["recompiles"],
-        }
-
-    def section_pipeline(self) -> dict:
-        args, warmup = self.args, self.args.warmup
-        steps = warmup + args.pipeline_steps
-        start = time.perf_counter()
-        if self.rank == 0:
-            extractor = TimedExtractor(self.extractor, self.device, on_call=self.fault_at("pipeline"))
-            run_target(self.cfg, self.job, 0, steps, self.reader, extractor, self.dtype)
-            bl.sync(self.device)
-            busy, span = busy_fraction(extractor.marks, extractor.calls[warmup * self.A :])
-            return {
-                "target_busy_frac": busy / span,
-                "target_wait_frac": 1 - busy / span,
-                "target_forward_time": bl.distribution(
-                    [extractor.marks.seconds(a, b) for a, b in extractor.calls[warmup * self.A :]]
-                ),
-                "target_elapsed_s": time.perf_counter() - start,
-            }
-        trainer = RecordingTrainer(self.trainer, self.device, on_call=self.fault_at("pipeline"))
-        records, stamps = [], []
-        watch = bl.CompileWatch()
-
-        def on_step(record: dict) -> None:
-            records.append(record)
-            stamps.append(time.perf_counter())
-            if len(records) == 1:
-                self.log(f"pipeline: first step after {stamps[0] - start:.1f}s")
-            if len(records) == warmup:
-                watch.start()
-
-        run_drafter(self.cfg, self.job, trainer, 0, steps, on_step)
-        bl.sync(self.device)
-        measured = len(stamps) - warmup
-        window = stamps[-1] - stamps[warmup - 1]
-        samples_per_s = measured * self.A * self.B / window
-        busy, span = busy_fraction(trainer.marks, trainer.steps[warmup:])
-        last = records[-1]
-        return {
-            "samples_per_s": samples_per_s,
-            "tokens_per_s": samples_per_s * self.S,
-            "ms_per_step": window / measured * 1e3,
-            "steps": measured,
-            "warmup": warmup,
-            "step_time": bl.distribution(
-                [b - a for a, b in zip(stamps[warmup - 1 :], stamps[warmup:], strict=False)]
-            ),
-            "time_to_first_step_s": stamps[0] - start,
-            "drafter_busy_frac": busy / span,
-            "drafter_wait_frac": 1 - busy / span,
-            "runtime_reported": {
-                k: last.get(k)
-                for k in ("drafter_busy_frac", "drafter_wait_frac", "target_busy_frac", "target_wait_frac")
-            },
-            "recompiles_after_warmup": watch.result()["recompiles"],
-            "recompile_reasons": watch.result()["recompile_reasons"],
-            "skipped_nonfinite_steps": sum(bool(r["skipped"]) for r in records[warmup:]),
-        }
-
-    def section_transport(self) -> dict:
-        args = self.args
-        total, warmup = args.warmup + args.transport_iters, args.warmup
-        shape = (self.B, self.S, self.feature_size)
-        batch = self.reader.read(0)
-        tokens = pack_tokens(batch.input_ids, batch.loss_mask, batch.lengths, batch.sample_ids)
-        message_bytes = (
-            tokens.numel() * tokens.element_size() + self.B * self.S * self.feature_size * self.dtype.itemsize
-        )
-        hidden_bytes = self.B * self.S * self.feature_size * self.dtype.itemsize
-        hidden = torch.randn(shape, dtype=self.dtype, device=self.device)
-        result: dict = {
-            "message_shape": list(shape),
-            "message_bytes": message_bytes,
-            "messages": args.transport_iters,
-        }
-        t0 = t1 = 0.0
-        if self.rank == 0:
-            sender = Sender(self.job.meta_group, None, self.device, self.cfg.topology.max_inflight_sends)
-            for m in range(total):
-                if m == warmup:
-                    sender.close()
-                    bl.sync(self.device)
-                    t0 = time.perf_counter()
-                sender.send_header(1, m, 0, self.B, self.S, self.feature_size, self.dtype, 0)
-                sender.send_tensors(1, tokens, hidden)
-            sender.send_end_of_data(1, total)
-            sender.close()
-            bl.sync(self.device)
-            t1 = time.perf_counter()
-            result["sender_msgs_per_s"] = args.transport_iters / (t1 - t0)
-        else:
-            receiver = Receiver(
-                self.job.meta_group, None, self.device, itertools.chain(range(total), [total]), lambda m: 0
-            )
-            for m in range(total):
-                if m == warmup:
-                    bl.sync(self.device)
-                    t0 = time.perf_counter()
-                features = receiver.next()
-                receiver.prefetch()
-                if features.end_of_data or features.index != m:
-                    raise RuntimeError(
-                        f"transport: got micro-batch {features.index} (end {features.end_of_data}), expected {m}"
-                    )
-            bl.sync(self.device)
-            t1 = time.perf_counter()
-            if not receiver.next().end_of_data:
-                raise RuntimeError("transport: no end-of-data flag after the last message")
-            if not torch.equal(features.input_ids.cpu(), batch.input_ids):
-                raise RuntimeError("transport: received tokens differ from the sent ones")
-            seconds = t1 - t0
-            result.update(
-                msgs_per_s=args.transport_iters / seconds,
-                gb_per_s=args.transport_iters * message_bytes / seconds / bl.GB,
-                gib_per_s=args.transport_iters * message_bytes / seconds / bl.GIB,
-                ms_per_msg=seconds / args.transport_iters * 1e3,
-            )
-        # Raw point-to-point at the hidden-state size, on the same (default) group.
-        buffer = hidden if self.rank == 0 else torch.empty(shape, dtype=self.dtype, device=self.device)
-        for i in range(total):
-            if i == warmup:
-                bl.sync(self.device)
-                t0 = time.perf_counter()
-            if self.rank == 0:
-                dist.send(buffer, dst=1)
-            else:
-                dist.recv(buffer, src=0)
-        bl.sync(self.device)
-        seconds = time.perf_counter() - t0
-        if self.rank == 1:
-            result.update(
-                raw_msgs_per_s=args.transport_iters / seconds,
-                raw_gb_per_s=args.transport_iters * hidden_bytes / seconds / bl.GB,
-                raw_gib_per_s=args.transport_iters * hidden_bytes / seconds / bl.GIB,
-                raw_message_bytes=hidden_bytes,
-            )
-        return result
-
-    def section_colocated(self) -> dict:
-        args = self.args
-        if self.rank == 1:  # the drafter-only objects make room for this rank's own target
-            self.trainer = self.features = None
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-        start = time.perf_counter()
-        if self.extractor is None:
-            self.extractor = bl.random_target(
-                self.shape, self.dtype, self.device, seed=self.args.seed + 10, compile_layers=self.compiled
-            )
-        trainer = self._new_trainer(group=dist.group.WORLD)  # DDP over both ranks
-        build_s = time.perf_counter() - start
-        watch = bl.CompileWatch()
-        step_s, first_step_s, t0 = [], 0.0, 0.0
-        start = prev = time.perf_counter()
-        for i in range(args.warmup + args.colocated_iters):
-            if i == args.warmup:
-                bl.sync(self.device)
-                watch.start()
-                t0 = prev = time.perf_counter()
-            for micro in range(self.A):
-                m = (i * 2 + self.rank) * self.A + micro
-                batch = bl.batch_to(self.reader.read(m), self.device)
-                hidden = hidden_states_for_drafter(self.extractor, batch, self.dtype, self.device)
-                trainer.micro_step(features_of(batch, hidden), last_of_step=micro == self.A - 1)
-            trainer.optimizer_step()
-            now = time.perf_counter()
-            if i == 0:
-                first_step_s = now - start
-                self.log(f"colocated: first step (compile included) {first_step_s:.1f}s")
-            if i >= args.warmup:
-                step_s.append(now - prev)
-            prev = now
-        bl.sync(self.device)
-        seconds = time.perf_counter() - t0
-        del trainer
-        return {
-            "per_rank": {
-                str(self.rank): {
-                    "samples_per_s": args.colocated_iters * self.A * self.B / seconds,
-                    "ms_per_step": seconds / args.colocated_iters * 1e3,
-                    "step_time": bl.distribution(step_s),
-                    "build_s": build_s,
-                    "first_step_s": first_step_s,
-                    "recompiles_after_warmup": watch.result()["recompiles"],
-                    "recompile_reasons": watch.result()["recompile_reasons"],
-                }
-            },
-            "steps": args.colocated_iters,
-            "warmup": args.warmup,
-        }
-
-
-# ---------------------------------------------------------------------- summary and table
 
 
 def _nccl_version() -> str | None:
@@ -832,252 +440,6 @@ def _nccl_version() -> str | None:
         return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
     except Exception:
         return None
-
-
-def _get(d: dict, *keys):
-    for key in keys:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(key)
-    return d
-
-
-def summarize(merged: dict) -> dict:
-    """Headline numbers (a pure function of the sections; None where a section did not run)."""
-    s = merged["sections"]
-    peaks = {
-        r: v.get("tflops")
-        for r, v in (_get(s, "matmul_peak", "per_rank") or {}).items()
-        if isinstance(v, dict)
-    }
-    target_rate = _get(s, "target_only", "samples_per_s")
-    drafter_rate = _get(s, "drafter_only", "samples_per_s")
-    pipeline_rate = _get(s, "pipeline", "samples_per_s")
-    colocated_ranks = [
-        v["samples_per_s"]
-        for v in (_get(s, "colocated", "per_rank") or {}).values()
-        if "samples_per_s" in (v or {})
-    ]
-    colocated_rate = sum(colocated_ranks) if len(colocated_ranks) == 2 else None
-    if colocated_rate is not None:
-        s["colocated"]["samples_per_s_total"] = colocated_rate
-        s["colocated"]["tokens_per_s_total"] = colocated_rate * merged["shape"]["seq_len"]
-    bottleneck = min(target_rate, drafter_rate) if target_rate and drafter_rate else None
-    efficiency = pipeline_rate / bottleneck if pipeline_rate and bottleneck else None
-    if efficiency is not None:
-        s["pipeline"]["efficiency"] = efficiency
-        s["pipeline"]["efficiency_definition"] = (
-            "pipeline samples/s / min(target-only, drafter-only samples/s)"
-        )
-    target_flops = _get(s, "setup", "target", "flops_per_seq")
-    drafter_flops_mb = _get(s, "setup", "drafter", "flops_per_micro_batch")
-    micro_batch = merged["setup"]["micro_batch"]
-    per_sample = (
-        target_flops + drafter_flops_mb / micro_batch
-        if target_flops is not None and drafter_flops_mb
-        else None
-    )
-    total_peak = sum(peaks.values()) * 1e12 if len(peaks) == 2 and all(peaks.values()) else None
-
-    def system_mfu(rate):
-        return rate * per_sample / total_peak if rate and per_sample and total_peak else None
-
-    target_rank, drafter_rank = rank_of(merged["setup"], "target"), rank_of(merged["setup"], "drafter")
-    memory = {}
-    for label, section, rank in (
-        ("target_only", "target_only", target_rank),
-        ("target_in_pipeline", "pipeline", target_rank),
-        ("drafter_only", "drafter_only", drafter_rank),
-        ("drafter_in_pipeline", "pipeline", drafter_rank),
-        ("colocated_rank0", "colocated", "0"),
-        ("colocated_rank1", "colocated", "1"),
-    ):
-        report = _get(s, section, "per_rank", rank, "memory") or {}
-        memory[label] = report.get("peak_allocated_gb", report.get("host_peak_rss_gb"))
-    recompiles = {
-        "drafter_only": _get(s, "drafter_only", "recompiles_after_warmup"),
-        "target_only": _get(s, "target_only", "recompiles_after_warmup"),
-        "pipeline_drafter": _get(s, "pipeline", "recompiles_after_warmup"),
-        "colocated_rank0": _get(s, "colocated", "per_rank", "0", "recompiles_after_warmup"),
-        "colocated_rank1": _get(s, "colocated", "per_rank", "1", "recompiles_after_warmup"),
-    }
-    projection = None
-    if target_rate and drafter_rate:
-        # Idealised (no DDP or transport cost): T targets + D drafters on 8 GPUs, vs 8 colocated GPUs.
-        splits = [
-            {"targets": t, "drafters": 8 - t, "samples_per_s": min(t * target_rate, (8 - t) * drafter_rate)}
-            for t in range(1, 8)
-        ]
-        best = max(splits, key=lambda x: x["samples_per_s"])
-        projection = {
-            "note": "standalone rates x GPUs, no communication cost: an upper bound to compare splits",
-            "best_split": f"{best['targets']}t{best['drafters']}d",
-            "best_samples_per_s": best["samples_per_s"],
-            "colocated_8_gpus_samples_per_s": 8 / (1 / target_rate + 1 / drafter_rate),
-            "splits": splits,
-        }
-    summary = {
-        "matmul_peak_tflops": peaks,
-        "target_only": {
-            "samples_per_s": target_rate,
-            "ms_per_seq": _get(s, "target_only", "ms_per_seq"),
-            "mfu": _get(s, "target_only", "mfu"),
-        },
-        "drafter_only": {
-            "samples_per_s": drafter_rate,
-            "ms_per_step": _get(s, "drafter_only", "ms_per_step"),
-            "mfu": _get(s, "drafter_only", "mfu"),
-            "mfu_head_as_trainable": _get(s, "drafter_only", "mfu_head_as_trainable"),
-        },
-        "transport": {
-            "gb_per_s": _get(s, "transport", "gb_per_s"),
-            "msgs_per_s": _get(s, "transport", "msgs_per_s"),
-            "raw_gb_per_s": _get(s, "transport", "raw_gb_per_s"),
-            "raw_gib_per_s": _get(s, "transport", "raw_gib_per_s"),
-        },
-        "pipeline": {
-            "samples_per_s": pipeline_rate,
-            "tokens_per_s": _get(s, "pipeline", "tokens_per_s"),
-            "efficiency": efficiency,
-            "bottleneck": None
-            if not bottleneck
-            else ("target" if target_rate <= drafter_rate else "drafter"),
-            "system_mfu": system_mfu(pipeline_rate),
-            "target_busy_frac": _get(s, "pipeline", "target_busy_frac"),
-            "drafter_busy_frac": _get(s, "pipeline", "drafter_busy_frac"),
-        },
-        "colocated": {
-            "samples_per_s": colocated_rate,
-            "system_mfu": system_mfu(colocated_rate),
-            "pipeline_over_colocated": pipeline_rate / colocated_rate
-            if pipeline_rate and colocated_rate
-            else None,
-        },
-        "peak_memory_gb": memory,
-        "peak_memory_kind": "torch.cuda.max_memory_allocated"
-        if merged["setup"]["device"] == "cuda"
-        else "host peak RSS (CPU run)",
-        "time_to_first_step_s": {
-            "drafter_cold_compile": _get(s, "drafter_only", "first_step_s"),
-            "process_start_to_first_drafter_step": _get(s, "drafter_only", "process_start_to_first_step_s"),
-            "pipeline": _get(s, "pipeline", "time_to_first_step_s"),
-            "colocated_rank0": _get(s, "colocated", "per_rank", "0", "first_step_s"),
-        },
-        "recompiles_after_warmup": recompiles,
-        "useful_flops_per_sample": per_sample,
-        "projection_8_gpus": projection,
-        "statuses": {name: sec.get("status") for name, sec in s.items()},
-    }
-    if merged["setup"].get("world_size") == 1:
-        summary["peak_memory_note"] = (
-            "1 rank plays both roles: each section's peak includes the other role's resident objects"
-        )
-    return summary
-
-
-def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float) and spec.endswith("%"):
-        return f"{value:{spec}}"
-    return f"{value:{spec}}{suffix}"
-
-
-def print_table(merged: dict) -> None:
-    sm = merged.get("summary") or summarize(merged)
-    shape, setup = merged["shape"], merged["setup"]
-    world = setup.get("world_size", 2)
-    peak_ranks = list(sm["matmul_peak_tflops"]) or [str(r) for r in range(world)]
-    memory_keys = ("target_in_pipeline", "drafter_in_pipeline", "colocated_rank0", "colocated_rank1")
-    memory_label = "target | drafter | coloc r0, r1"
-    if world == 1:  # no pipeline: the standalone sections' peaks
-        memory_keys, memory_label = ("target_only", "drafter_only"), "target only | drafter only"
-    rows = [
-        (
-            "matmul peak",
-            "TFLOP/s " + " | ".join(f"rank{r}" for r in peak_ranks),
-            " | ".join(_fmt(v, ".1f") for v in sm["matmul_peak_tflops"].values()) or "-",
-        ),
-        (
-            f"target only (r{rank_of(setup, 'target')})",
-            "samples/s | ms/seq | MFU",
-            f"{_fmt(sm['target_only']['samples_per_s'])} | {_fmt(sm['target_only']['ms_per_seq'], '.1f')} | "
-            f"{_fmt(sm['target_only']['mfu'], '.1%')}",
-        ),
-        (
-            f"drafter only (r{rank_of(setup, 'drafter')})",
-            "samples/s | ms/step | MFU (head as trainable)",
-            f"{_fmt(sm['drafter_only']['samples_per_s'])} | {_fmt(sm['drafter_only']['ms_per_step'], '.1f')} | "
-            f"{_fmt(sm['drafter_only']['mfu'], '.1%')} ({_fmt(sm['drafter_only']['mfu_head_as_trainable'], '.1%')})",
-        ),
-        (
-            "transport",
-            "msgs/s | GB/s | raw GB/s",
-            f"{_fmt(sm['transport']['msgs_per_s'], '.1f')} | {_fmt(sm['transport']['gb_per_s'], '.1f')} | "
-            f"{_fmt(sm['transport']['raw_gb_per_s'], '.1f')}",
-        ),
-        (
-            "pipeline 1t+1d",
-            "samples/s | tokens/s | efficiency",
-            f"{_fmt(sm['pipeline']['samples_per_s'])} | {_fmt(sm['pipeline']['tokens_per_s'], '.0f')} | "
-            f"{_fmt(sm['pipeline']['efficiency'], '.2f')} (bottleneck {sm['pipeline']['bottleneck'] or '-'})",
-        ),
-        (
-            "",
-            "busy target | drafter, sys MFU",
-            f"{_fmt(sm['pipeline']['target_busy_frac'], '.0%')} | {_fmt(sm['pipeline']['drafter_busy_frac'], '.0%')}, "
-            f"{_fmt(sm['pipeline']['system_mfu'], '.1%')}",
-        ),
-        (
-            "colocated DDP x2",
-            "samples/s total | pipeline/coloc",
-            f"{_fmt(sm['colocated']['samples_per_s'])} | {_fmt(sm['colocated']['pipeline_over_colocated'], '.2f')}",
-        ),
-        (
-            "8-GPU projection",
-            "best split: samples/s | coloc x8",
-            "-"
-            if not sm.get("projection_8_gpus")
-            else f"{sm['projection_8_gpus']['best_split']}: {sm['projection_8_gpus']['best_samples_per_s']:.2f} | "
-            f"{sm['projection_8_gpus']['colocated_8_gpus_samples_per_s']:.2f} (upper bounds)",
-        ),
-        (
-            "peak memory GB",
-            memory_label,
-            " | ".join(_fmt(sm["peak_memory_gb"][k], ".1f") for k in memory_keys),
-        ),
-        (
-            "first step s",
-            "drafter cold | pipeline | coloc",
-            " | ".join(
-                _fmt(sm["time_to_first_step_s"][k], ".1f")
-                for k in ("drafter_cold_compile", "pipeline", "colocated_rank0")
-            ),
-        ),
-        (
-            "recompiles",
-            "after warm-up",
-            ", ".join(f"{k} {'-' if v is None else v}" for k, v in sm["recompiles_after_warmup"].items()),
-        ),
-    ]
-    title = (
-        f"dflash_mp bench: {shape['name']} (target {shape['layers']}L h{shape['hidden']}, runs "
-        f"{shape['target_layers_run']}; drafter {shape['draft_layers']}L; S={shape['seq_len']}, "
-        f"{shape['num_anchors']} anchors x {shape['block_size']}; B={setup['micro_batch']} A={setup['grad_accum']}) "
-        f"on {world}x {setup['device_name']}"
-    )
-    lines = [title, "-" * min(len(title), 110)]
-    width = max(len(b) for _, b, _ in rows)
-    lines += [f"{a:<18} {b:<{width}} {c}" for a, b, c in rows]
-    for name, section in merged["sections"].items():
-        if section.get("status") == "error":
-            for rank, error in (section.get("errors") or {}).items():
-                lines.append(f"ERROR {name} rank {rank}: {error[:300]}")
-        elif section.get("status") == "skipped":
-            lines.append(f"skipped {name}: {section.get('reason')}")
-    if merged.get("aborted"):
-        lines.append(f"ABORTED: {merged['aborted']}")
-    print("\n".join(lines), flush=True)
 
 
 def main(argv=None) -> int:

@@ -25,6 +25,7 @@ from typing import Any, NotRequired, TypedDict
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from dflash_mp.block_mask import dense_block_mask, flex_block_mask
 from dflash_mp.selector_loss import SelectorStats, selector_loss
@@ -427,33 +428,38 @@ def drafter_loss(
         mask = {"full_attention": mask, "sliding_attention": build_mask(anchors, seq_len, block_size, window)}
     # Targets that scale their embeddings (Gemma) get block embeddings scaled as at inference.
     embedding_scale = getattr(drafter_module, "input_embedding_scale", 1.0)
-    hidden = drafter(
-        batch.hidden_states,
-        F.embedding(block_ids, embed_weight) * embedding_scale,
-        context_positions(batch_size, seq_len, input_ids.device),
-        block_positions,
-        mask,
-    )
+    # Profiler scopes (bench/sections/profile.py reads them; nearly free when no profiler runs).
+    with record_function("dflash::drafter_forward"):
+        hidden = drafter(
+            batch.hidden_states,
+            F.embedding(block_ids, embed_weight) * embedding_scale,
+            context_positions(batch_size, seq_len, input_ids.device),
+            block_positions,
+            mask,
+        )
     multiplier = getattr(drafter_module, "output_multiplier", 1.0)
     softcap = getattr(drafter_module, "final_logit_softcapping", None)
     selector = getattr(drafter_module, "candidate_selector", None)
     if selector is None:
-        return chunked_lm_head_loss(
-            hidden, head_weight, labels, weights, multiplier=multiplier, softcap=softcap
+        with record_function("dflash::lm_head_ce"):
+            return chunked_lm_head_loss(
+                hidden, head_weight, labels, weights, multiplier=multiplier, softcap=softcap
+            )
+    with record_function("dflash::lm_head_ce"):
+        loss, stats, candidates = lm_head_loss_and_candidates(
+            hidden, head_weight, labels, weights, selector.top_k, multiplier=multiplier, softcap=softcap
         )
-    loss, stats, candidates = lm_head_loss_and_candidates(
-        hidden, head_weight, labels, weights, selector.top_k, multiplier=multiplier, softcap=softcap
-    )
-    term, stats["selector"] = selector_loss(
-        selector,
-        hidden,
-        head_weight,
-        candidates,
-        labels,
-        weights,
-        stats["weight_sum"],
-        selector_gold,
-        multiplier=multiplier,
-        softcap=softcap,
-    )
+    with record_function("dflash::selector"):
+        term, stats["selector"] = selector_loss(
+            selector,
+            hidden,
+            head_weight,
+            candidates,
+            labels,
+            weights,
+            stats["weight_sum"],
+            selector_gold,
+            multiplier=multiplier,
+            softcap=softcap,
+        )
     return loss + selector_alpha * term, stats

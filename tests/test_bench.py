@@ -56,6 +56,7 @@ def test_tiny_benchmark_on_cpu_reports_every_section(tmp_path: Path) -> None:
     assert result is not None and result["schema"] == "dflash_mp.bench/1"
     sections = result["sections"]
     assert {name: sections[name]["status"] for name in SECTIONS} == dict.fromkeys(SECTIONS, "ok")
+    assert sections["profile"]["status"] == "skipped"  # not a default section
 
     assert all(_positive(sections["matmul_peak"]["per_rank"][r]["tflops"]) for r in ("0", "1"))
     assert _positive(sections["setup"]["target"]["flops_per_seq"])
@@ -84,6 +85,9 @@ def test_tiny_benchmark_on_cpu_reports_every_section(tmp_path: Path) -> None:
     summary = result["summary"]
     assert summary["pipeline"]["efficiency"] == pipeline["efficiency"]
     assert _positive(summary["colocated"]["samples_per_s"])
+    per_gpu = summary["per_gpu"]
+    assert per_gpu["colocated_measured"] == pytest.approx(summary["colocated"]["samples_per_s"] / 2)
+    assert per_gpu["target_stage"] == summary["target_only"]["samples_per_s"]
     assert all(_positive(v) for v in summary["peak_memory_gb"].values())
     # Recompilations after warm-up are counted (the CPU path runs eagerly, so there are none).
     recompiles = summary["recompiles_after_warmup"]
@@ -114,17 +118,18 @@ def test_a_failing_rank_neither_hangs_the_benchmark_nor_loses_earlier_sections(t
 
 
 @pytest.mark.slow
-def test_single_rank_runs_both_roles_and_skips_the_communicating_sections(tmp_path: Path) -> None:
-    # One GPU (here: one CPU process) plays target and drafter in turn; no pipeline, transport, colocated.
+def test_single_rank_runs_both_roles_and_the_colocated_pair(tmp_path: Path) -> None:
+    # One GPU (here: one CPU process) plays target and drafter in turn, then both back to back
+    # (colocated, no DDP); no pipeline, no transport.
     proc, result = run_bench(tmp_path, "--iters", "3", "--warmup", "1", nproc=1, timeout=90)
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert result is not None and result["schema"] == "dflash_mp.bench/1"
     setup = result["setup"]
     assert setup["world_size"] == 1 and setup["roles"] == {"0": "target+drafter"}
     sections = result["sections"]
-    ran = ("matmul_peak", "setup", "drafter_only", "target_only")
+    ran = ("matmul_peak", "setup", "drafter_only", "target_only", "colocated")
     assert {name: sections[name]["status"] for name in ran} == dict.fromkeys(ran, "ok")
-    for name in ("pipeline", "transport", "colocated"):
+    for name in ("pipeline", "transport"):
         assert sections[name]["status"] == "skipped", (name, sections[name])
         assert "needs 2 ranks" in sections[name]["reason"], sections[name]["reason"]
 
@@ -146,8 +151,21 @@ def test_single_rank_runs_both_roles_and_skips_the_communicating_sections(tmp_pa
     assert _positive(projection["colocated_8_gpus_samples_per_s"])
     # The numbers only two ranks can give are absent, not made up.
     assert summary["pipeline"]["samples_per_s"] is None and summary["pipeline"]["efficiency"] is None
-    assert summary["pipeline"]["system_mfu"] is None and summary["colocated"]["samples_per_s"] is None
-    assert summary["transport"]["gb_per_s"] is None
+    assert summary["pipeline"]["system_mfu"] is None and summary["transport"]["gb_per_s"] is None
+    # The colocated rate of the one GPU, next to the stage rates and the splits they imply.
+    colocated = sections["colocated"]
+    assert set(colocated["per_rank"]) == {"0"} and colocated["ddp"] is False and colocated["steps"] == 4
+    assert _positive(summary["colocated"]["samples_per_s"]) and _positive(summary["colocated"]["system_mfu"])
+    per_gpu = summary["per_gpu"]
+    assert per_gpu["colocated_measured"] == summary["colocated"]["samples_per_s"]
+    assert per_gpu["colocated_measured"] == colocated["per_rank"]["0"]["samples_per_s"]
+    target, drafter = summary["target_only"]["samples_per_s"], summary["drafter_only"]["samples_per_s"]
+    assert (per_gpu["target_stage"], per_gpu["drafter_stage"]) == (target, drafter)
+    assert per_gpu["colocated_from_stage_rates"] == pytest.approx(1 / (1 / target + 1 / drafter))
+    assert per_gpu["best_split_of_8"] == pytest.approx(projection["best_samples_per_s"] / 8)
+    assert per_gpu["best_split"] == projection["best_split"]
+    assert _positive(summary["peak_memory_gb"]["colocated_rank0"])
+    assert summary["recompiles_after_warmup"]["colocated_rank0"] == 0
     # Memory of each role comes from the rank that played it (rank 0 here).
     assert _positive(summary["peak_memory_gb"]["target_only"])
     assert _positive(summary["peak_memory_gb"]["drafter_only"])
@@ -155,6 +173,7 @@ def test_single_rank_runs_both_roles_and_skips_the_communicating_sections(tmp_pa
 
     assert "on 1x cpu" in proc.stdout
     assert "skipped pipeline: needs 2 ranks" in proc.stdout
+    assert "colocated 1 GPU" in proc.stdout and "per GPU samples/s" in proc.stdout
     assert not list(tmp_path.glob("*.partial.json")), "the partial file is removed after a clean run"
 
 
@@ -207,3 +226,24 @@ def test_build_random_target_runs_the_layers_it_reads() -> None:
     torch.testing.assert_close(features[..., :32], hidden_states[2])
     with torch.no_grad():
         torch.testing.assert_close(extractor.decoder.norm(features[..., 32:]), hidden_states[4])
+
+
+@pytest.mark.slow
+def test_profile_section_reports_device_time_by_phase(tmp_path: Path) -> None:
+    # Not a default section: asked for by name; on 2 ranks the drafter rank profiles.
+    proc, result = run_bench(
+        tmp_path, "--sections", "setup,drafter_only,profile", "--iters", "2", "--profile-steps", "2"
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert result is not None
+    sections = result["sections"]
+    assert sections["profile"]["status"] == "ok" and sections["pipeline"]["status"] == "skipped"
+    profile = sections["profile"]
+    phases = profile["phases_ms_per_step"]
+    assert all(ms >= 0 for ms in phases.values()), phases
+    assert sum(phases.values()) == pytest.approx(profile["device_ms_per_step"], rel=1e-6)
+    assert _positive(profile["wall_ms_per_step"]) and profile["steps"] == 2
+    assert _positive(profile["unprofiled_ms_per_step"])  # drafter_only's step, for comparison
+    assert 0 < len(profile["top_kernels"]) <= 15
+    assert result["summary"]["profile"]["phases_ms_per_step"] == phases
+    assert "profile: drafter step" in proc.stdout and "top kernels by device time" in proc.stdout

@@ -1,0 +1,90 @@
+"""Benchmark shapes (Qwen3-shaped targets, the drafter over them, the sequence shape) and their config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import Qwen3Config
+
+from dflash_mp.config import RootConfig, compose_config, default_target_layer_ids, to_dataclass
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A target (Qwen3-shaped), the drafter over it, and the training sequence shape."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    draft_layers: int
+    seq_len: int
+    num_anchors: int
+    block_size: int
+    matmul_n: int  # side of the square matmul that measures the peak
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return default_target_layer_ids(self.layers, self.draft_layers)
+
+    def target_config(self) -> Qwen3Config:
+        return Qwen3Config(
+            hidden_size=self.hidden,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate,
+            vocab_size=self.vocab,
+            max_position_embeddings=max(40960, 2 * self.seq_len),
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            initializer_range=0.02,
+            attn_implementation="sdpa",
+        )
+
+    def describe(self) -> dict:
+        d = dict(self.__dict__)
+        d["target_layer_ids"] = self.layer_ids
+        d["target_layers_run"] = max(self.layer_ids) + 1
+        d["query_tokens_per_seq"] = self.num_anchors * self.block_size
+        return d
+
+
+SHAPES = {
+    # Qwen3-8B: 36 layers, hidden 4096, 32/8 heads of 128, MLP 12288; 5-layer DFlash drafter.
+    "qwen3-8b": Shape("qwen3-8b", 4096, 36, 32, 8, 128, 12288, 151936, 5, 3072, 512, 16, 8192),
+    # Qwen3-4B at SpecForge's shape (max 2048 tokens, 512 anchors), for ANCHORS.md's first row.
+    "qwen3-4b": Shape("qwen3-4b", 2560, 36, 32, 8, 128, 9728, 151936, 5, 2048, 512, 16, 8192),
+    # A very small version for CPU (what the test runs).
+    "tiny": Shape("tiny", 64, 6, 4, 2, 16, 192, 512, 2, 128, 16, 8, 256),
+}
+
+
+def bench_config(
+    shape: Shape, device: torch.device, micro_batch: int, grad_accum: int, extra: list[str]
+) -> RootConfig:
+    """The composed conf/ with this benchmark's shape; model.target_path is never read."""
+    overrides = [
+        "model.target_path=/nonexistent/dflash-bench-random-target",
+        f"model.draft_layers={shape.draft_layers}",
+        f"model.block_size={shape.block_size}",
+        f"data.max_length={shape.seq_len}",
+        f"data.num_anchors={shape.num_anchors}",
+        "topology.targets=1",
+        "topology.drafters=1",
+        f"train.micro_batch_size={micro_batch}",
+        f"train.grad_accum={grad_accum}",
+        "train.max_steps=100000",
+        f"train.device={device.type}",
+        # Random weights on random tokens: a rare non-finite step must not stop the measurement.
+        "train.on_nonfinite=skip",
+        "optim.lr=6e-4",
+        *extra,
+    ]
+    return to_dataclass(compose_config(overrides))

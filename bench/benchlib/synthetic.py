@@ -1,0 +1,162 @@
+"""Synthetic micro-batches and random models, built directly on the device.
+
+Nothing here reads a checkpoint or the network: targets, drafters, embeddings and LM heads are
+random tensors, and micro-batches are random tokens of a fixed length (so every compiled shape,
+the flex BlockMask included, is static).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_mp.data import MicroBatch
+from dflash_mp.models.dflash2 import GroupedDynamicConv
+from dflash_mp.models.drafter import DFLASH2_FIELDS, SCALING_DEFAULTS, DFlashDrafter, build_drafter_config
+from dflash_mp.models.target import TargetFeatureExtractor
+from dflash_mp.transport import Features, pack_tokens, unpack_tokens
+
+from .shapes import Shape
+
+
+class SyntheticReader:
+    """Stands in for MicroBatchReader: micro-batch m = B random sequences of exactly seq_len tokens.
+
+    The loss mask covers the second half (the "response"); sample ids are distinct per sequence, so
+    every micro-batch draws its own anchors. Token rows come from a small pool, so reading is free.
+    """
+
+    def __init__(self, shape: Shape, micro_batch: int, seed: int = 0, pool: int = 8) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.shape, self.micro_batch = shape, micro_batch
+        # The last id is the drafter's MASK token; keep it out of the data.
+        self.pool = [
+            torch.randint(0, shape.vocab - 1, (micro_batch, shape.seq_len), generator=generator)
+            for _ in range(pool)
+        ]
+        self.loss_mask = torch.zeros(micro_batch, shape.seq_len, dtype=torch.uint8)
+        self.loss_mask[:, shape.seq_len // 2 :] = 1
+        self.lengths = torch.full((micro_batch,), shape.seq_len, dtype=torch.long)
+        self.bad_records = self.too_long_records = 0  # the counters run_target reads
+
+    def read(self, m: int) -> MicroBatch:
+        b = self.micro_batch
+        return MicroBatch(
+            index=m,
+            epoch=0,
+            input_ids=self.pool[m % len(self.pool)],
+            loss_mask=self.loss_mask,
+            lengths=self.lengths,
+            sample_ids=torch.arange(m * b, (m + 1) * b, dtype=torch.long),
+        )
+
+
+def batch_to(batch: MicroBatch, device: torch.device) -> MicroBatch:
+    return replace(
+        batch,
+        input_ids=batch.input_ids.to(device),
+        loss_mask=batch.loss_mask.to(device),
+        lengths=batch.lengths.to(device),
+        sample_ids=batch.sample_ids.to(device),
+    )
+
+
+def received_form(batch: MicroBatch, hidden: torch.Tensor, device: torch.device) -> Features:
+    """`batch` exactly as a drafter's Receiver hands it over (same views, dtypes, device)."""
+    tokens = pack_tokens(batch.input_ids, batch.loss_mask, batch.lengths, batch.sample_ids).to(device)
+    input_ids, loss_mask, lengths, sample_ids = unpack_tokens(tokens, batch.input_ids.shape[1])
+    return Features(
+        index=batch.index,
+        epoch=batch.epoch,
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        lengths=lengths,
+        sample_ids=sample_ids,
+        hidden_states=hidden.contiguous(),
+        nbytes=tokens.numel() * tokens.element_size() + hidden.numel() * hidden.element_size(),
+    )
+
+
+class DeviceInitDrafter(DFlashDrafter):
+    """DFlashDrafter initialised on its own device (GPU RNG) instead of from a CPU generator.
+
+    Built under `torch.device(device)`, so 1B parameters never pass through host memory; the
+    distribution (HF Qwen3 init) is the runtime's, only the random stream differs.
+    """
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, std)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, Qwen3RMSNorm):
+                module.weight.fill_(1.0)
+        # DFlash 2: the convolutions start as the identity, the selector as a no-op (as in training).
+        for module in self.modules():
+            if isinstance(module, GroupedDynamicConv):
+                module.reset_to_identity()
+        if self.candidate_selector is not None:
+            self.candidate_selector.predecessor_codebook.normal_(0.0, std)
+            self.candidate_selector.successor_codebook.zero_()
+
+
+@contextmanager
+def seeded(device: torch.device, seed: int) -> Iterator[None]:
+    """Draw from the global RNG of `device`, seeded, without disturbing it for anyone else."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
+def random_drafter(shape: Shape, device: torch.device, seed: int, model_cfg: Any = None) -> DFlashDrafter:
+    """`model_cfg` (cfg.model) picks the architecture, DFlash or DFlash 2 with its fields."""
+    arch = model_cfg.arch if model_cfg is not None else "dflash"
+    config = build_drafter_config(
+        shape.target_config(),
+        draft_layers=shape.draft_layers,
+        target_layer_ids=shape.layer_ids,
+        block_size=shape.block_size,
+        mask_token_id=shape.vocab - 1,
+        arch=arch,
+        dflash2={key: getattr(model_cfg, key) for key in DFLASH2_FIELDS} if arch == "dflash2" else None,
+        # Sliding layers and logit scaling change the step's masks and loss: bench them as configured.
+        layer_types=None
+        if model_cfg is None or model_cfg.layer_types is None
+        else list(model_cfg.layer_types),
+        sliding_window=None if model_cfg is None else model_cfg.sliding_window,
+        scaling=None if model_cfg is None else {key: getattr(model_cfg, key) for key in SCALING_DEFAULTS},
+    )
+    with seeded(device, seed), device:
+        return DeviceInitDrafter(config, seed=seed)
+
+
+def random_embed_and_head(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int):
+    with seeded(device, seed + 1):
+        embed = torch.randn(shape.vocab, shape.hidden, device=device, dtype=dtype).mul_(0.02)
+        head = torch.randn(shape.vocab, shape.hidden, device=device, dtype=dtype).mul_(0.02)
+    return embed, head
+
+
+def random_target(
+    shape: Shape, dtype: torch.dtype, device: torch.device, seed: int, compile_layers: bool
+) -> TargetFeatureExtractor:
+    extractor = TargetFeatureExtractor.build_random(
+        shape.target_config(), shape.layer_ids, dtype, device, seed=seed
+    )
+    if compile_layers:  # as the runtime does (train.compile)
+        extractor.compile_layers()
+    return extractor
+
+
+def count_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

@@ -1,0 +1,108 @@
+"""Timers on the device timeline, per-iteration statistics, the matmul peak, memory reports."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+GB = 1e9
+GIB = 2**30
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Marks:
+    """Timestamps on the device timeline (CUDA events) or the host clock (CPU); no synchronisation."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> int:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+        return len(self.marks) - 1
+
+    def seconds(self, a: int, b: int) -> float:
+        """Seconds from mark a to mark b (synchronises on CUDA: call after the run)."""
+        if self.cuda:
+            self.marks[b].synchronize()
+            return self.marks[a].elapsed_time(self.marks[b]) / 1e3
+        return self.marks[b] - self.marks[a]
+
+    def intervals(self) -> list[float]:
+        return [self.seconds(i, i + 1) for i in range(len(self.marks) - 1)]
+
+
+def distribution(seconds: list[float]) -> dict:
+    """ms statistics of per-iteration times."""
+    if not seconds:
+        return {}
+    ordered = sorted(seconds)
+    mean = sum(ordered) / len(ordered)
+    var = sum((x - mean) ** 2 for x in ordered) / len(ordered)
+
+    def pct(p: float) -> float:
+        return ordered[min(len(ordered) - 1, round(p * (len(ordered) - 1)))] * 1e3
+
+    return {
+        "n": len(ordered),
+        "mean_ms": mean * 1e3,
+        "median_ms": pct(0.5),
+        "p10_ms": pct(0.1),
+        "p90_ms": pct(0.9),
+        "min_ms": ordered[0] * 1e3,
+        "max_ms": ordered[-1] * 1e3,
+        "cv": (var**0.5) / mean if mean > 0 else None,
+    }
+
+
+def matmul_peak(device: torch.device, n: int, warmup: int, iters: int) -> dict:
+    """Dense n^3 matmul throughput: bf16 on GPU (the MFU denominator), fp32 on CPU."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    for _ in range(warmup):
+        torch.matmul(a, b, out=out)
+    sync(device)
+    marks = Marks(device)
+    marks.mark()
+    for _ in range(iters):
+        torch.matmul(a, b, out=out)
+    marks.mark()
+    seconds = marks.seconds(0, 1)
+    flops = 2 * n**3 * iters
+    return {
+        "n": n,
+        "dtype": str(dtype).replace("torch.", ""),
+        "iters": iters,
+        "ms_per_matmul": seconds / iters * 1e3,
+        "tflops": flops / seconds / 1e12,
+    }
+
+
+def memory_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_report(device: torch.device) -> dict:
+    import resource
+
+    report = {"host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB}
+    if device.type == "cuda":
+        report.update(
+            peak_allocated_gb=torch.cuda.max_memory_allocated(device) / GB,
+            peak_reserved_gb=torch.cuda.max_memory_reserved(device) / GB,
+            allocated_now_gb=torch.cuda.memory_allocated(device) / GB,
+        )
+    return report

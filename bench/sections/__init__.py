@@ -1,0 +1,21 @@
+"""One module per benchmark section; each has `run(bench) -> dict` (its part of the JSON) and TIMEOUT_S."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from sections import colocated, drafter, matmul_peak, pipeline, profile, setup, target, transport
+
+# In running order (--sections picks among them, the order stays this one).
+SECTIONS: dict[str, ModuleType] = {
+    "matmul_peak": matmul_peak,
+    "setup": setup,
+    "drafter_only": drafter,
+    "target_only": target,
+    "profile": profile,
+    "pipeline": pipeline,
+    "transport": transport,
+    "colocated": colocated,
+}
+# What runs without --sections: the profiler slows the steps it watches and is read on demand.
+DEFAULT_SECTIONS = tuple(name for name in SECTIONS if name != "profile")

@@ -1,0 +1,81 @@
+"""The colocated baseline: target forward + drafter step back to back in every process.
+
+On 2 ranks both processes do so and the drafters train under DDP over both; on 1 rank the one
+process does it without DDP, which is the colocated rate of one GPU (no all-reduce cost), next to
+the stage rates that the split layouts would get from the same GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import TYPE_CHECKING
+
+import benchlib as bl
+import torch
+import torch.distributed as dist
+
+from dflash_mp.roles import features_of, hidden_states_for_drafter
+
+if TYPE_CHECKING:
+    from bench import Bench
+
+TIMEOUT_S = 420
+
+
+def run(bench: Bench) -> dict:
+    args = bench.args
+    if "drafter" in bench.roles:  # the drafter-only objects make room for this process's colocated pair
+        bench.trainer = bench.features = None
+        gc.collect()
+        if bench.device.type == "cuda":
+            torch.cuda.empty_cache()
+    start = time.perf_counter()
+    if bench.extractor is None:
+        bench.extractor = bl.random_target(
+            bench.shape, bench.dtype, bench.device, seed=bench.args.seed + 10, compile_layers=bench.compiled
+        )
+    # DDP over both ranks; on 1 rank no group, so no DDP.
+    trainer = bench.new_trainer(group=None if bench.single else dist.group.WORLD)
+    build_s = time.perf_counter() - start
+    watch = bl.CompileWatch()
+    step_s, first_step_s, t0 = [], 0.0, 0.0
+    start = prev = time.perf_counter()
+    for i in range(args.warmup + args.colocated_iters):
+        if i == args.warmup:
+            bl.sync(bench.device)
+            watch.start()
+            t0 = prev = time.perf_counter()
+        for micro in range(bench.A):
+            m = (i * bench.world + bench.rank) * bench.A + micro
+            batch = bl.batch_to(bench.reader.read(m), bench.device)
+            hidden = hidden_states_for_drafter(bench.extractor, batch, bench.dtype, bench.device)
+            trainer.micro_step(features_of(batch, hidden), last_of_step=micro == bench.A - 1)
+        trainer.optimizer_step()
+        now = time.perf_counter()
+        if i == 0:
+            first_step_s = now - start
+            bench.log(f"colocated: first step (compile included) {first_step_s:.1f}s")
+        if i >= args.warmup:
+            step_s.append(now - prev)
+        prev = now
+    bl.sync(bench.device)
+    seconds = time.perf_counter() - t0
+    del trainer
+    return {
+        "per_rank": {
+            str(bench.rank): {
+                "samples_per_s": args.colocated_iters * bench.A * bench.B / seconds,
+                "ms_per_step": seconds / args.colocated_iters * 1e3,
+                "step_time": bl.distribution(step_s),
+                "build_s": build_s,
+                "first_step_s": first_step_s,
+                "recompiles_after_warmup": watch.result()["recompiles"],
+                "recompile_reasons": watch.result()["recompile_reasons"],
+            }
+        },
+        "ranks": bench.world,
+        "ddp": not bench.single,
+        "steps": args.colocated_iters,
+        "warmup": args.warmup,
+    }

@@ -1,0 +1,67 @@
+"""drafter_only: the drafter step alone (fwd + bwd + AdamW) on one resident micro-batch."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import benchlib as bl
+
+if TYPE_CHECKING:
+    from bench import Bench
+
+TIMEOUT_S = 420  # the cold torch.compile of the drafter (flex_attention fwd + bwd)
+
+
+def run(bench: Bench) -> dict:
+    if "drafter" not in bench.roles:
+        return {}
+    trainer, batch, args = bench.trainer, bench.features, bench.args
+    watch = bl.CompileWatch()
+    step_s, skipped, loss = [], 0, None
+    start = prev = time.perf_counter()
+    first_step_s = t0 = 0.0
+    for i in range(args.warmup + args.iters):
+        if i == args.warmup:
+            bl.sync(bench.device)
+            watch.start()
+            t0 = prev = time.perf_counter()
+        for micro in range(bench.A):
+            trainer.micro_step(batch, last_of_step=micro == bench.A - 1)
+        record = trainer.optimizer_step()
+        now = time.perf_counter()
+        if i == 0:
+            first_step_s = now - start
+            bench.log(
+                f"drafter_only: first step (compile included) {first_step_s:.1f}s, loss {record['loss']:.3f}"
+            )
+        if i >= args.warmup:
+            step_s.append(now - prev)
+            skipped += bool(record["skipped"])
+            loss = record["loss"]
+        prev = now
+    bl.sync(bench.device)
+    seconds = time.perf_counter() - t0
+    steps = args.iters
+    counted = bench.partial["sections"]["setup"]["result"]["drafter"]
+    flops = counted["flops_per_micro_batch"] * bench.A * steps
+    flops_head_as_trainable = counted["flops_per_micro_batch_head_as_trainable"] * bench.A * steps
+    return {
+        "samples_per_s": steps * bench.A * bench.B / seconds,
+        "ms_per_step": seconds / steps * 1e3,
+        "ms_per_micro_batch": seconds / (steps * bench.A) * 1e3,
+        "step_time": bl.distribution(step_s),
+        "tflops": flops / seconds / 1e12,
+        "mfu": bench.mfu(flops / seconds),
+        "mfu_head_as_trainable": bench.mfu(flops_head_as_trainable / seconds),
+        "first_step_s": first_step_s,
+        "process_start_to_first_step_s": start + first_step_s - bench.process_start,
+        "steps": steps,
+        "warmup": args.warmup,
+        "skipped_nonfinite_steps": skipped,
+        "last_loss": loss,
+        "recompiles_after_warmup": watch.result()["recompiles"],
+        "recompile_reasons": watch.result()["recompile_reasons"],
+        "dynamo_frames_compiled_total": bl.frames_compiled_total(),
+        "compile_seconds_so_far": bl.compile_seconds(),
+    }

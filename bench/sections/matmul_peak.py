@@ -1,0 +1,21 @@
+"""The bf16 matmul peak of each GPU (fp32 on CPU): the MFU denominator."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import benchlib as bl
+import torch
+
+if TYPE_CHECKING:
+    from bench import Bench
+
+TIMEOUT_S = 90
+
+
+def run(bench: Bench) -> dict:
+    n = bench.args.matmul_n or bench.shape.matmul_n
+    result = bl.matmul_peak(bench.device, n, warmup=max(3, bench.args.warmup), iters=bench.args.matmul_iters)
+    result["device_name"] = torch.cuda.get_device_name(bench.device) if bench.device.type == "cuda" else "cpu"
+    bench.peak_flops = result["tflops"] * 1e12
+    return {"per_rank": {str(bench.rank): result}}

@@ -1,0 +1,75 @@
+"""Builds the resident objects: the target (target role), the drafter trainer and one
+received-form micro-batch (drafter role), and counts their useful FLOPs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import benchlib as bl
+import torch
+
+if TYPE_CHECKING:
+    from bench import Bench
+
+TIMEOUT_S = 240
+
+
+def run(bench: Bench) -> dict:
+    result = {}
+    if "target" in bench.roles:
+        result["target"] = _setup_target(bench)
+    if "drafter" in bench.roles:
+        result["drafter"] = _setup_drafter(bench)
+    return result
+
+
+def _setup_target(bench: Bench) -> dict:
+    start = time.perf_counter()
+    bench.extractor = bl.random_target(
+        bench.shape, bench.dtype, bench.device, seed=bench.args.seed, compile_layers=bench.compiled
+    )
+    bl.sync(bench.device)
+    flops = bl.target_flops_per_seq(bench.extractor, bench.shape)
+    return {
+        "build_s": time.perf_counter() - start,
+        "params_used": flops["params_used"],
+        "layers_run": flops["layers_run"],
+        "flops_per_seq": flops["per_seq"],
+        "flops_breakdown": {k: flops[k] for k in ("linear", "attention")},
+        "flops_counting": flops["counting"],
+    }
+
+
+def _setup_drafter(bench: Bench) -> dict:
+    start = time.perf_counter()
+    # The drafter group: None on 1 rank (the trainer then runs without DDP).
+    bench.trainer = bench.new_trainer(group=bench.job.drafter_group)
+    batch = bench.reader.read(0)
+    with bl.seeded(bench.device, bench.args.seed + 2):
+        hidden = torch.randn(bench.B, bench.S, bench.feature_size, dtype=bench.dtype, device=bench.device)
+    bench.features = bl.received_form(batch, hidden, bench.device)
+    flops = bl.drafter_flops_per_micro_batch(bench.shape, bench.cfg, batch)
+    bl.sync(bench.device)
+    return {
+        "build_s": time.perf_counter() - start,
+        "params": bl.count_params(bench.trainer.drafter),
+        "flops_per_micro_batch": flops["train"],
+        "flops_per_micro_batch_head_as_trainable": flops["train_head_as_trainable"],
+        "flops_breakdown_forward": {
+            k: flops[k] for k in ("forward", "layers_linear", "layers_attention", "fc", "lm_head")
+        },
+        "tokens": {
+            k: flops[k]
+            for k in (
+                "query_tokens",
+                "context_tokens",
+                "valid_anchors",
+                "scored_tokens",
+                "attended_pairs_per_layer",
+                "dense_pairs_per_layer",
+            )
+        },
+        "flops_counting": flops["counting"],
+    }

@@ -1,0 +1,98 @@
+"""The transport alone: dflash_mp.transport's Sender/Receiver next to raw send/recv of the same size."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import TYPE_CHECKING
+
+import benchlib as bl
+import torch
+import torch.distributed as dist
+
+from dflash_mp.transport import Receiver, Sender, pack_tokens
+
+if TYPE_CHECKING:
+    from bench import Bench
+
+TIMEOUT_S = 120
+
+
+def run(bench: Bench) -> dict:
+    args = bench.args
+    total, warmup = args.warmup + args.transport_iters, args.warmup
+    shape = (bench.B, bench.S, bench.feature_size)
+    batch = bench.reader.read(0)
+    tokens = pack_tokens(batch.input_ids, batch.loss_mask, batch.lengths, batch.sample_ids)
+    message_bytes = (
+        tokens.numel() * tokens.element_size() + bench.B * bench.S * bench.feature_size * bench.dtype.itemsize
+    )
+    hidden_bytes = bench.B * bench.S * bench.feature_size * bench.dtype.itemsize
+    hidden = torch.randn(shape, dtype=bench.dtype, device=bench.device)
+    result: dict = {
+        "message_shape": list(shape),
+        "message_bytes": message_bytes,
+        "messages": args.transport_iters,
+    }
+    t0 = t1 = 0.0
+    if bench.rank == 0:
+        sender = Sender(bench.job.meta_group, None, bench.device, bench.cfg.topology.max_inflight_sends)
+        for m in range(total):
+            if m == warmup:
+                sender.close()
+                bl.sync(bench.device)
+                t0 = time.perf_counter()
+            sender.send_header(1, m, 0, bench.B, bench.S, bench.feature_size, bench.dtype, 0)
+            sender.send_tensors(1, tokens, hidden)
+        sender.send_end_of_data(1, total)
+        sender.close()
+        bl.sync(bench.device)
+        t1 = time.perf_counter()
+        result["sender_msgs_per_s"] = args.transport_iters / (t1 - t0)
+    else:
+        receiver = Receiver(
+            bench.job.meta_group, None, bench.device, itertools.chain(range(total), [total]), lambda m: 0
+        )
+        for m in range(total):
+            if m == warmup:
+                bl.sync(bench.device)
+                t0 = time.perf_counter()
+            features = receiver.next()
+            receiver.prefetch()
+            if features.end_of_data or features.index != m:
+                raise RuntimeError(
+                    f"transport: got micro-batch {features.index} (end {features.end_of_data}), expected {m}"
+                )
+        bl.sync(bench.device)
+        t1 = time.perf_counter()
+        if not receiver.next().end_of_data:
+            raise RuntimeError("transport: no end-of-data flag after the last message")
+        if not torch.equal(features.input_ids.cpu(), batch.input_ids):
+            raise RuntimeError("transport: received tokens differ from the sent ones")
+        seconds = t1 - t0
+        result.update(
+            msgs_per_s=args.transport_iters / seconds,
+            gb_per_s=args.transport_iters * message_bytes / seconds / bl.GB,
+            gib_per_s=args.transport_iters * message_bytes / seconds / bl.GIB,
+            ms_per_msg=seconds / args.transport_iters * 1e3,
+        )
+    # Raw point-to-point at the hidden-state size, on the same (default) group.
+    buffer = hidden if bench.rank == 0 else torch.empty(shape, dtype=bench.dtype, device=bench.device)
+    for i in range(total):
+        if i == warmup:
+            bl.sync(bench.device)
+            t0 = time.perf_counter()
+        if bench.rank == 0:
+            dist.send(buffer, dst=1)
+        else:
+            dist.recv(buffer, src=0)
+    bl.sync(bench.device)
+    seconds = time.perf_counter() - t0
+    if bench.rank == 1:
+        result.update(
+            raw_msgs_per_s=args.transport_iters / seconds,
+            raw_gb_per_s=args.transport_iters * hidden_bytes / seconds / bl.GB,
+            raw_gib_per_s=args.transport_iters * hidden_bytes / seconds / bl.GIB,
+            raw_message_bytes=hidden_bytes,
+        )
+    return result

@@ -1,0 +1,312 @@
+"""The benchmark's headline numbers (`summarize`, a pure function of the sections) and its table."""
+
+from __future__ import annotations
+
+from layout import rank_of
+
+
+def _get(d: dict, *keys):
+    for key in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(key)
+    return d
+
+
+def per_gpu_rates(
+    target_rate: float | None, drafter_rate: float | None, colocated: float | None, projection: dict | None
+) -> dict:
+    """Samples/s per GPU: measured colocated next to the stage rates and what splits of them imply.
+
+    A GPU that runs both stages back to back would do 1 / (1/target + 1/drafter) if nothing but the
+    two stages cost time; the best 8-GPU split (T targets, 8-T drafters) does best_samples_per_s / 8.
+    """
+    ideal = 1 / (1 / target_rate + 1 / drafter_rate) if target_rate and drafter_rate else None
+    best = projection["best_samples_per_s"] / 8 if projection else None
+    return {
+        "colocated_measured": colocated,
+        "target_stage": target_rate,
+        "drafter_stage": drafter_rate,
+        "colocated_from_stage_rates": ideal,
+        "best_split_of_8": best,
+        "best_split": projection["best_split"] if projection else None,
+        "colocated_measured_over_from_stages": colocated / ideal if colocated and ideal else None,
+        "best_split_over_colocated_measured": best / colocated if best and colocated else None,
+    }
+
+
+def summarize(merged: dict) -> dict:
+    """Headline numbers (a pure function of the sections; None where a section did not run)."""
+    s = merged["sections"]
+    peaks = {
+        r: v.get("tflops")
+        for r, v in (_get(s, "matmul_peak", "per_rank") or {}).items()
+        if isinstance(v, dict)
+    }
+    target_rate = _get(s, "target_only", "samples_per_s")
+    drafter_rate = _get(s, "drafter_only", "samples_per_s")
+    pipeline_rate = _get(s, "pipeline", "samples_per_s")
+    colocated_ranks = [
+        v["samples_per_s"]
+        for v in (_get(s, "colocated", "per_rank") or {}).values()
+        if "samples_per_s" in (v or {})
+    ]
+    world = merged["setup"].get("world_size", 2)
+    # Every rank ran the colocated pair (2 ranks under DDP, or the one rank alone).
+    colocated_rate = sum(colocated_ranks) if len(colocated_ranks) == world else None
+    colocated_per_gpu = colocated_rate / world if colocated_rate is not None else None
+    if colocated_rate is not None:
+        s["colocated"]["samples_per_s_total"] = colocated_rate
+        s["colocated"]["tokens_per_s_total"] = colocated_rate * merged["shape"]["seq_len"]
+        s["colocated"]["samples_per_s_per_gpu"] = colocated_per_gpu
+    bottleneck = min(target_rate, drafter_rate) if target_rate and drafter_rate else None
+    efficiency = pipeline_rate / bottleneck if pipeline_rate and bottleneck else None
+    if efficiency is not None:
+        s["pipeline"]["efficiency"] = efficiency
+        s["pipeline"]["efficiency_definition"] = (
+            "pipeline samples/s / min(target-only, drafter-only samples/s)"
+        )
+    target_flops = _get(s, "setup", "target", "flops_per_seq")
+    drafter_flops_mb = _get(s, "setup", "drafter", "flops_per_micro_batch")
+    micro_batch = merged["setup"]["micro_batch"]
+    per_sample = (
+        target_flops + drafter_flops_mb / micro_batch
+        if target_flops is not None and drafter_flops_mb
+        else None
+    )
+    total_peak = sum(peaks.values()) * 1e12 if len(peaks) == world and all(peaks.values()) else None
+
+    def system_mfu(rate):
+        return rate * per_sample / total_peak if rate and per_sample and total_peak else None
+
+    target_rank, drafter_rank = rank_of(merged["setup"], "target"), rank_of(merged["setup"], "drafter")
+    memory = {}
+    for label, section, rank in (
+        ("target_only", "target_only", target_rank),
+        ("target_in_pipeline", "pipeline", target_rank),
+        ("drafter_only", "drafter_only", drafter_rank),
+        ("drafter_in_pipeline", "pipeline", drafter_rank),
+        ("colocated_rank0", "colocated", "0"),
+        ("colocated_rank1", "colocated", "1"),
+    ):
+        report = _get(s, section, "per_rank", rank, "memory") or {}
+        memory[label] = report.get("peak_allocated_gb", report.get("host_peak_rss_gb"))
+    recompiles = {
+        "drafter_only": _get(s, "drafter_only", "recompiles_after_warmup"),
+        "target_only": _get(s, "target_only", "recompiles_after_warmup"),
+        "pipeline_drafter": _get(s, "pipeline", "recompiles_after_warmup"),
+        "colocated_rank0": _get(s, "colocated", "per_rank", "0", "recompiles_after_warmup"),
+        "colocated_rank1": _get(s, "colocated", "per_rank", "1", "recompiles_after_warmup"),
+    }
+    projection = None
+    if target_rate and drafter_rate:
+        # Idealised (no DDP or transport cost): T targets + D drafters on 8 GPUs, vs 8 colocated GPUs.
+        splits = [
+            {"targets": t, "drafters": 8 - t, "samples_per_s": min(t * target_rate, (8 - t) * drafter_rate)}
+            for t in range(1, 8)
+        ]
+        best = max(splits, key=lambda x: x["samples_per_s"])
+        projection = {
+            "note": "standalone rates x GPUs, no communication cost: an upper bound to compare splits",
+            "best_split": f"{best['targets']}t{best['drafters']}d",
+            "best_samples_per_s": best["samples_per_s"],
+            "colocated_8_gpus_samples_per_s": 8 / (1 / target_rate + 1 / drafter_rate),
+            "splits": splits,
+        }
+    summary = {
+        "matmul_peak_tflops": peaks,
+        "target_only": {
+            "samples_per_s": target_rate,
+            "ms_per_seq": _get(s, "target_only", "ms_per_seq"),
+            "mfu": _get(s, "target_only", "mfu"),
+        },
+        "drafter_only": {
+            "samples_per_s": drafter_rate,
+            "ms_per_step": _get(s, "drafter_only", "ms_per_step"),
+            "mfu": _get(s, "drafter_only", "mfu"),
+            "mfu_head_as_trainable": _get(s, "drafter_only", "mfu_head_as_trainable"),
+        },
+        "transport": {
+            "gb_per_s": _get(s, "transport", "gb_per_s"),
+            "msgs_per_s": _get(s, "transport", "msgs_per_s"),
+            "raw_gb_per_s": _get(s, "transport", "raw_gb_per_s"),
+            "raw_gib_per_s": _get(s, "transport", "raw_gib_per_s"),
+        },
+        "pipeline": {
+            "samples_per_s": pipeline_rate,
+            "tokens_per_s": _get(s, "pipeline", "tokens_per_s"),
+            "efficiency": efficiency,
+            "bottleneck": None
+            if not bottleneck
+            else ("target" if target_rate <= drafter_rate else "drafter"),
+            "system_mfu": system_mfu(pipeline_rate),
+            "target_busy_frac": _get(s, "pipeline", "target_busy_frac"),
+            "drafter_busy_frac": _get(s, "pipeline", "drafter_busy_frac"),
+        },
+        "colocated": {
+            "samples_per_s": colocated_rate,
+            "system_mfu": system_mfu(colocated_rate),
+            "pipeline_over_colocated": pipeline_rate / colocated_rate
+            if pipeline_rate and colocated_rate
+            else None,
+        },
+        "per_gpu": per_gpu_rates(target_rate, drafter_rate, colocated_per_gpu, projection),
+        "peak_memory_gb": memory,
+        "peak_memory_kind": "torch.cuda.max_memory_allocated"
+        if merged["setup"]["device"] == "cuda"
+        else "host peak RSS (CPU run)",
+        "time_to_first_step_s": {
+            "drafter_cold_compile": _get(s, "drafter_only", "first_step_s"),
+            "process_start_to_first_drafter_step": _get(s, "drafter_only", "process_start_to_first_step_s"),
+            "pipeline": _get(s, "pipeline", "time_to_first_step_s"),
+            "colocated_rank0": _get(s, "colocated", "per_rank", "0", "first_step_s"),
+        },
+        "recompiles_after_warmup": recompiles,
+        "useful_flops_per_sample": per_sample,
+        "projection_8_gpus": projection,
+        "profile": {
+            key: _get(s, "profile", key)
+            for key in ("wall_ms_per_step", "device_ms_per_step", "idle_ms_per_step", "phases_ms_per_step")
+        },
+        "statuses": {name: sec.get("status") for name, sec in s.items()},
+    }
+    if merged["setup"].get("world_size") == 1:
+        summary["peak_memory_note"] = (
+            "1 rank plays both roles: each section's peak includes the other role's resident objects"
+        )
+    return summary
+
+
+def profile_lines(section: dict) -> list[str]:
+    """The profile section as table lines: device ms per step by phase, then the top kernels."""
+    if section.get("status") != "ok" or "phases_ms_per_step" not in section:
+        return []
+    device, wall = section["device_ms_per_step"], section["wall_ms_per_step"]
+    lines = [
+        f"profile: drafter step ({section['steps']} profiled, {section['device']}): wall {wall:.1f} ms, "
+        f"device {device:.1f} ms ({section['device_time_kind']}), idle {section['idle_ms_per_step']:.1f} ms"
+    ]
+    for phase, ms in section["phases_ms_per_step"].items():
+        share = section["phases_share"].get(phase)
+        lines.append(f"  {phase:<24} {ms:9.2f} ms  {_fmt(share, '.1%'):>6}")
+    lines.append("  top kernels by device time (ms/step, calls/step, phase):")
+    for kernel in section.get("top_kernels") or []:
+        lines.append(
+            f"  {kernel['ms_per_step']:9.2f} {kernel['calls_per_step']:7.1f}  {kernel['phase']:<22} {kernel['name'][:90]}"
+        )
+    return lines
+
+
+def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and spec.endswith("%"):
+        return f"{value:{spec}}"
+    return f"{value:{spec}}{suffix}"
+
+
+def print_table(merged: dict) -> None:
+    sm = merged.get("summary") or summarize(merged)
+    shape, setup = merged["shape"], merged["setup"]
+    world = setup.get("world_size", 2)
+    peak_ranks = list(sm["matmul_peak_tflops"]) or [str(r) for r in range(world)]
+    memory_keys = ("target_in_pipeline", "drafter_in_pipeline", "colocated_rank0", "colocated_rank1")
+    memory_label = "target | drafter | coloc r0, r1"
+    if world == 1:  # no pipeline: the standalone sections' peaks
+        memory_keys = ("target_only", "drafter_only", "colocated_rank0")
+        memory_label = "target only | drafter only | colocated"
+    per_gpu = sm.get("per_gpu") or {}
+    rows = [
+        (
+            "matmul peak",
+            "TFLOP/s " + " | ".join(f"rank{r}" for r in peak_ranks),
+            " | ".join(_fmt(v, ".1f") for v in sm["matmul_peak_tflops"].values()) or "-",
+        ),
+        (
+            f"target only (r{rank_of(setup, 'target')})",
+            "samples/s | ms/seq | MFU",
+            f"{_fmt(sm['target_only']['samples_per_s'])} | {_fmt(sm['target_only']['ms_per_seq'], '.1f')} | "
+            f"{_fmt(sm['target_only']['mfu'], '.1%')}",
+        ),
+        (
+            f"drafter only (r{rank_of(setup, 'drafter')})",
+            "samples/s | ms/step | MFU (head as trainable)",
+            f"{_fmt(sm['drafter_only']['samples_per_s'])} | {_fmt(sm['drafter_only']['ms_per_step'], '.1f')} | "
+            f"{_fmt(sm['drafter_only']['mfu'], '.1%')} ({_fmt(sm['drafter_only']['mfu_head_as_trainable'], '.1%')})",
+        ),
+        (
+            "transport",
+            "msgs/s | GB/s | raw GB/s",
+            f"{_fmt(sm['transport']['msgs_per_s'], '.1f')} | {_fmt(sm['transport']['gb_per_s'], '.1f')} | "
+            f"{_fmt(sm['transport']['raw_gb_per_s'], '.1f')}",
+        ),
+        (
+            "pipeline 1t+1d",
+            "samples/s | tokens/s | efficiency",
+            f"{_fmt(sm['pipeline']['samples_per_s'])} | {_fmt(sm['pipeline']['tokens_per_s'], '.0f')} | "
+            f"{_fmt(sm['pipeline']['efficiency'], '.2f')} (bottleneck {sm['pipeline']['bottleneck'] or '-'})",
+        ),
+        (
+            "",
+            "busy target | drafter, sys MFU",
+            f"{_fmt(sm['pipeline']['target_busy_frac'], '.0%')} | {_fmt(sm['pipeline']['drafter_busy_frac'], '.0%')}, "
+            f"{_fmt(sm['pipeline']['system_mfu'], '.1%')}",
+        ),
+        (
+            "colocated DDP x2" if world == 2 else "colocated 1 GPU",
+            "samples/s total | pipeline/coloc",
+            f"{_fmt(sm['colocated']['samples_per_s'])} | {_fmt(sm['colocated']['pipeline_over_colocated'], '.2f')}",
+        ),
+        (
+            "per GPU samples/s",
+            "coloc | target, drafter | ideal | split/8",
+            f"{_fmt(per_gpu.get('colocated_measured'))} | {_fmt(per_gpu.get('target_stage'))}, "
+            f"{_fmt(per_gpu.get('drafter_stage'))} | {_fmt(per_gpu.get('colocated_from_stage_rates'))} | "
+            f"{_fmt(per_gpu.get('best_split_of_8'))} ({per_gpu.get('best_split') or '-'})",
+        ),
+        (
+            "8-GPU projection",
+            "best split: samples/s | coloc x8",
+            "-"
+            if not sm.get("projection_8_gpus")
+            else f"{sm['projection_8_gpus']['best_split']}: {sm['projection_8_gpus']['best_samples_per_s']:.2f} | "
+            f"{sm['projection_8_gpus']['colocated_8_gpus_samples_per_s']:.2f} (upper bounds)",
+        ),
+        (
+            "peak memory GB",
+            memory_label,
+            " | ".join(_fmt(sm["peak_memory_gb"][k], ".1f") for k in memory_keys),
+        ),
+        (
+            "first step s",
+            "drafter cold | pipeline | coloc",
+            " | ".join(
+                _fmt(sm["time_to_first_step_s"][k], ".1f")
+                for k in ("drafter_cold_compile", "pipeline", "colocated_rank0")
+            ),
+        ),
+        (
+            "recompiles",
+            "after warm-up",
+            ", ".join(f"{k} {'-' if v is None else v}" for k, v in sm["recompiles_after_warmup"].items()),
+        ),
+    ]
+    title = (
+        f"dflash_mp bench: {shape['name']} (target {shape['layers']}L h{shape['hidden']}, runs "
+        f"{shape['target_layers_run']}; drafter {shape['draft_layers']}L; S={shape['seq_len']}, "
+        f"{shape['num_anchors']} anchors x {shape['block_size']}; B={setup['micro_batch']} A={setup['grad_accum']}) "
+        f"on {world}x {setup['device_name']}"
+    )
+    lines = [title, "-" * min(len(title), 110)]
+    width = max(len(b) for _, b, _ in rows)
+    lines += [f"{a:<18} {b:<{width}} {c}" for a, b, c in rows]
+    lines += profile_lines(merged["sections"].get("profile") or {})
+    for name, section in merged["sections"].items():
+        if section.get("status") == "error":
+            for rank, error in (section.get("errors") or {}).items():
+                lines.append(f"ERROR {name} rank {rank}: {error[:300]}")
+        elif section.get("status") == "skipped":
+            lines.append(f"skipped {name}: {section.get('reason')}")
+    if merged.get("aborted"):
+        lines.append(f"ABORTED: {merged['aborted']}")
+    print("\n".join(lines), flush=True)
