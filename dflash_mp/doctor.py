@@ -54,7 +54,7 @@ def preflight(
         checks.append(Check("config", False, f"{type(e).__name__}: {e}"))
     if cfg is not None:
         per_node = nproc_per_node or processes_per_job(cfg, visible_gpus() if checks[0].ok else 0)
-        if per_node is None:
+        if per_node is None and cfg.topology.layout == "colocated":  # split: validate names the field
             checks.append(Check("config", False, UNKNOWN_WORLD))
         checks += check_config(cfg, world_size=nnodes * per_node if per_node else None)
         if checks[0].ok and per_node:  # the next two need torch
