@@ -95,10 +95,13 @@ class DataConfig:
 
 @dataclass
 class TopologyConfig:
+    # "split": target and drafter ranks apart; "colocated": every rank runs the target and trains (targets 0).
+    layout: str = "split"
     # Ranks running the frozen target forward (global ranks 0..targets-1).
     targets: int = 2
-    # Ranks training the drafter, data-parallel among themselves (the following ranks).
-    drafters: int = 1
+    # Ranks training the drafter, data-parallel among themselves (the following ranks);
+    # colocated: null is the torchrun world size (the launcher: one per visible GPU).
+    drafters: int | None = 1
     # Micro-batch sends a target rank may have in flight before it waits (bounds memory).
     max_inflight_sends: int = 2
 
@@ -325,15 +328,10 @@ def _validate_dflash2_against_target(problems: list[str], m: Any, target: dict[s
         problems.append(f"model.selector_top_k={m.selector_top_k}: exceeds the target's vocab_size {vocab}")
 
 
-def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> None:
-    """Raise ConfigError listing every problem in `cfg` (fields named, valid ranges given)."""
-    problems: list[str] = []
-    m, d, t, o, tr = cfg.model, cfg.data, cfg.topology, cfg.optim, cfg.train
-
-    _at_least(problems, "topology.targets", t.targets, 1)
-    _at_least(problems, "topology.drafters", t.drafters, 1)
-    _at_least(problems, "topology.max_inflight_sends", t.max_inflight_sends, 1)
-    if world_size is not None and t.targets + t.drafters != world_size:
+def _validate_split(problems: list[str], t: Any, world_size: int | None) -> None:
+    _at_least(problems, "topology.targets", t.targets, 1, " (no target ranks: topology=colocated)")
+    _at_least(problems, "topology.drafters", t.drafters, 1, " (null only with topology.layout=colocated)")
+    if t.drafters is not None and world_size is not None and t.targets + t.drafters != world_size:
         problems.append(
             f"topology.targets + topology.drafters = {t.targets} + {t.drafters} = "
             f"{t.targets + t.drafters}, but WORLD_SIZE is {world_size}: set them to sum to "
@@ -341,6 +339,49 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
             f"topology.drafters={min(t.drafters, world_size - 1)}) or launch with "
             f"--nproc-per-node {t.targets + t.drafters}"
         )
+
+
+def _validate_colocated(problems: list[str], t: Any, world_size: int | None) -> None:
+    if t.targets != 0:
+        problems.append(
+            f"topology.targets={t.targets!r}: the colocated layout has no target ranks (every rank runs "
+            "the target for its own micro-batches): set topology.targets=0, or pick topology=colocated, "
+            "or topology.layout=split to keep target ranks"
+        )
+    if t.drafters is None:
+        return
+    _at_least(problems, "topology.drafters", t.drafters, 1, " (null: every rank of the job)")
+    if world_size is not None and t.drafters != world_size:
+        problems.append(
+            f"topology.drafters={t.drafters} with topology.layout=colocated, but WORLD_SIZE is "
+            f"{world_size}: every rank trains, so leave topology.drafters=null (the world size) or "
+            f"launch with --nproc-per-node {t.drafters}"
+        )
+
+
+def processes_per_job(cfg: DictConfig | RootConfig, visible_gpus: int) -> int | None:
+    """The processes a local launch of `cfg` starts: targets + drafters; colocated with
+    topology.drafters null: one per visible GPU (`visible_gpus`), None on CPU, where the user
+    must give topology.drafters."""
+    t = cfg.topology
+    if t.drafters is not None:
+        return t.targets + t.drafters
+    if t.layout == "colocated" and cfg.train.device != "cpu" and visible_gpus > 0:
+        return visible_gpus
+    return None
+
+
+def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> None:
+    """Raise ConfigError listing every problem in `cfg` (fields named, valid ranges given)."""
+    problems: list[str] = []
+    m, d, t, o, tr = cfg.model, cfg.data, cfg.topology, cfg.optim, cfg.train
+
+    _choice(problems, "topology.layout", t.layout, ("split", "colocated"))
+    if t.layout == "colocated":
+        _validate_colocated(problems, t, world_size)
+    else:
+        _validate_split(problems, t, world_size)
+    _at_least(problems, "topology.max_inflight_sends", t.max_inflight_sends, 1)
 
     if not (isinstance(o.lr, (int, float)) and 0 < o.lr < 1):
         problems.append(f"optim.lr={o.lr!r}: must be in (0, 1), e.g. 6e-4")

@@ -3,7 +3,7 @@
 - the default group (NCCL on GPU, gloo on CPU) carries hidden states point-to-point;
 - `meta_group` (gloo, all ranks) carries the small headers and startup agreements on the CPU;
 - `drafter_group` (drafter ranks only) carries the drafters' gradient all-reduce, so
-  target ranks never join a drafter collective.
+  target ranks never join a drafter collective; in the colocated layout it is the default group.
 """
 
 from __future__ import annotations
@@ -94,8 +94,11 @@ def init_job(
         dist.init_process_group("gloo", timeout=timeout)
     meta_group = dist.new_group(backend="gloo", timeout=timeout)
     drafter_ranks = list(range(topology.targets, topology.world_size)) if drafter_group else []
-    # new_group is collective over the world: every rank calls it, members or not.
-    group = dist.new_group(ranks=drafter_ranks, timeout=timeout) if drafter_ranks else None
+    if topology.colocated and drafter_ranks:
+        group = dist.group.WORLD  # every rank trains: no second communicator for the same ranks
+    else:
+        # new_group is collective over the world: every rank calls it, members or not.
+        group = dist.new_group(ranks=drafter_ranks, timeout=timeout) if drafter_ranks else None
     return Job(
         rank=rank,
         local_rank=local_rank,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from dflash_mp.config import ConfigError, RootConfig, to_dataclass, validate
+from dflash_mp.config import ConfigError, RootConfig, processes_per_job, to_dataclass, validate
 from dflash_mp.launch.processes import zombie_children
 from dflash_mp.rundir import fresh_start_problem
 
@@ -25,6 +25,10 @@ REQUIRED_MODULES = ("torch", "transformers", "safetensors", "hydra", "omegaconf"
 MIN_FREE_GIB = 1.0
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+UNKNOWN_WORLD = (
+    "topology.layout=colocated with topology.drafters=null starts one rank per visible GPU, but no GPU "
+    "is in use (train.device=cpu, or none visible): set topology.drafters=N, the number of processes"
+)
 
 
 @dataclass
@@ -49,9 +53,11 @@ def preflight(
     except Exception as e:  # a value Hydra could not resolve or type
         checks.append(Check("config", False, f"{type(e).__name__}: {e}"))
     if cfg is not None:
-        per_node = nproc_per_node or (cfg.topology.targets + cfg.topology.drafters)
-        checks += check_config(cfg, world_size=nnodes * per_node)
-        if checks[0].ok:  # the next two need torch
+        per_node = nproc_per_node or processes_per_job(cfg, visible_gpus() if checks[0].ok else 0)
+        if per_node is None and cfg.topology.layout == "colocated":  # split: validate names the field
+            checks.append(Check("config", False, UNKNOWN_WORLD))
+        checks += check_config(cfg, world_size=nnodes * per_node if per_node else None)
+        if checks[0].ok and per_node:  # the next two need torch
             import torch
 
             uses_gpu = cfg.train.device != "cpu" and torch.cuda.is_available()
@@ -95,7 +101,7 @@ def check_imports() -> Check:
     return Check("imports", True, ", ".join(found))
 
 
-def check_config(cfg: RootConfig, world_size: int) -> list[Check]:
+def check_config(cfg: RootConfig, world_size: int | None) -> list[Check]:
     """config.validate, one check per problem (it reports all of them at once)."""
     try:
         validate(cfg, world_size=world_size)
@@ -103,6 +109,12 @@ def check_config(cfg: RootConfig, world_size: int) -> list[Check]:
         problems = [line[4:] for line in str(e).splitlines() if line.startswith("  - ")]
         return [Check("config", False, problem) for problem in problems]
     return [Check("config", True, f"valid for a world of {world_size} process(es)")]
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def check_devices(requested: str, nproc_per_node: int) -> Check:

@@ -8,6 +8,10 @@ same step's all-reduce whose inputs all have smaller m than anything it holds ba
 Optimizer step s consumes micro-batches [s*A*D, (s+1)*A*D): drafter d takes the A
 consecutive ones starting at s*A*D + d*A. The target that produces m is m mod T. Neither
 choice changes which samples form a step, so the training math is the same for any T.
+
+The colocated layout (topology.layout=colocated) is the topology with T = 0: every rank is a
+drafter that reads and runs the target for its own micro-batches, with the same routing of
+micro-batches to drafters, so it trains as the split with as many drafter ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from enum import Enum
 class Role(str, Enum):
     TARGET = "target"
     DRAFTER = "drafter"
+    COLOCATED = "colocated"  # target forward and drafter step in the same process
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,14 @@ class Topology:
     def micro_batches_per_step(self) -> int:
         return self.drafters * self.grad_accum
 
+    @property
+    def colocated(self) -> bool:
+        """No target ranks: every rank runs the target for the micro-batches it trains on."""
+        return self.targets == 0
+
     def role_of(self, rank: int) -> Role:
+        if self.colocated:
+            return Role.COLOCATED
         return Role.TARGET if rank < self.targets else Role.DRAFTER
 
     def target_rank(self, m: int) -> int:

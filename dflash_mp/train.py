@@ -40,6 +40,8 @@ def run_rank(dict_cfg: DictConfig) -> None:
             print(f"dflash_mp: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
 
+    if cfg.topology.layout == "colocated":
+        cfg.topology.drafters = world_size  # null: every rank trains (validated to agree when set)
     topology = Topology(cfg.topology.targets, cfg.topology.drafters, cfg.train.grad_accum)
     timeout_s = process_group_timeout_s(cfg.watchdog.timeout_s)
     job = init_job(topology, cfg.train.device, timeout_s=timeout_s)
@@ -129,11 +131,12 @@ def _run_role(cfg, job, run_dir: Path) -> None:
 
     log = setup_rank_logging(run_dir, job.rank, job.role.value, console=job.is_first_drafter)
     if job.rank == 0:
-        append_job_log(
-            run_dir,
-            f"started: world {job.world_size} = {job.topology.targets} target(s) + "
-            f"{job.topology.drafters} drafter(s) on {job.device.type}",
+        roles = (
+            f"{job.world_size} colocated rank(s), each running the target and training"
+            if job.topology.colocated
+            else f"{job.topology.targets} target(s) + {job.topology.drafters} drafter(s)"
         )
+        append_job_log(run_dir, f"started: world {job.world_size} = {roles} on {job.device.type}")
         # Written at a fresh start (with train.gamma and model.mask_token_id resolved, and the run's
         # tokenizer beside it); a resume keeps it and records what it changed next to it.
         from dflash_mp.config import run_config
@@ -170,6 +173,16 @@ def _run_role(cfg, job, run_dir: Path) -> None:
         run_target(cfg, job, start_step, steps, reader, extractor, dtype)
         return
 
+    run = run_drafter
+    if job.role is Role.COLOCATED:
+        from dflash_mp.colocated import run_colocated
+
+        run = functools.partial(
+            run_colocated,
+            reader=make_reader(cfg, index),
+            extractor=make_feature_extractor(cfg, dtype, job.device, compile_layers),
+            dtype=dtype,
+        )
     trainer = DrafterTrainer(cfg, job.device, steps, group=job.drafter_group)
     if start_step > 0:
         trainer.load_training_state(state if state is not None else load_resume_state(run_dir, start_step))
@@ -212,7 +225,7 @@ def _run_role(cfg, job, run_dir: Path) -> None:
             save_checkpoint()
 
     try:
-        run_drafter(cfg, job, trainer, start_step, steps, on_step)
+        run(cfg, job, trainer, start_step, steps, on_step)
     except watchdog.Preempted:
         if metrics is not None:  # the first drafter saves for all: DDP keeps their weights equal
             if not checkpoint_due(trainer.step):

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from dflash_mp import checkpoint
 from dflash_mp.config import compose_config, to_dataclass
 from dflash_mp.embedded import embedded_path
+from dflash_mp.watchdog import FAULT_ENV, read_heartbeats
 from tests.conftest import REPO, job_env, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
@@ -45,7 +46,7 @@ def data_with_bad_line(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, data_with_bad_line) -> dict[str, Path]:
-    """The same training as 2+1, 1+1 (accum 2) and 1+2 (accum 1)."""
+    """The same training as 2+1, 1+1 (accum 2), 1+2 (accum 1) and 2 colocated ranks (accum 1)."""
     root = tmp_path_factory.mktemp("runs")
     data = f"data.train_files=[{data_with_bad_line}]"
     splits = {
@@ -57,6 +58,8 @@ def runs(tmp_path_factory, data_with_bad_line) -> dict[str, Path]:
         ),
         "1t1d": ("topology.targets=1", "topology.drafters=1", "train.grad_accum=2"),
         "1t2d": ("topology.targets=1", "topology.drafters=2", "train.grad_accum=1"),
+        # On CPU the launcher needs the number of ranks (on GPU: one per visible GPU).
+        "colocated": ("topology=colocated", "topology.drafters=2", "train.grad_accum=1"),
     }
     out = {}
     for name, split in splits.items():
@@ -181,3 +184,64 @@ def test_bad_record_with_on_bad_record_fail_stops_with_file_and_line(data_with_b
     )
     assert proc.returncode != 0
     assert "train.jsonl:4" in (tmp_path / "fail" / "logs" / "job.log").read_text()
+
+
+def test_colocated_equals_the_split_with_as_many_drafters(runs):
+    split, colocated = read_metrics(runs["1t2d"]), read_metrics(runs["colocated"])
+    assert len(colocated) == STEPS
+    assert [r["loss"] for r in colocated] == [r["loss"] for r in split]  # bitwise
+    # The malformed line was counted on the rank that read it and reached the metrics.
+    assert [r["bad_records"] for r in colocated] == [r["bad_records"] for r in split]
+    assert sum(r["bad_records"] for r in colocated) >= 1
+    assert "train.jsonl:4" in "".join(p.read_text() for p in (runs["colocated"] / "logs").glob("rank*.log"))
+    assert {p.name for p in (runs["colocated"] / "logs").iterdir()} >= {
+        "rank0-colocated.log",
+        "rank1-colocated.log",
+    }
+    last = f"step_{STEPS:08d}"
+    weights = load_file(runs["colocated"] / "checkpoints" / last / "drafter.safetensors")
+    expected = load_file(runs["1t2d"] / "checkpoints" / last / "drafter.safetensors")
+    assert weights.keys() == expected.keys()
+    for name in weights:
+        assert torch.equal(weights[name], expected[name]), name
+    # No transport, no role balance: the time split between the two sides instead.
+    assert "target_busy_frac" not in colocated[0]
+    assert 0 < colocated[0]["target_time_frac"] < 1
+    assert colocated[0]["target_time_frac"] + colocated[0]["drafter_time_frac"] == pytest.approx(1)
+    assert (runs["colocated"] / "export" / "model.safetensors").is_file()
+
+
+def test_colocated_under_plain_torchrun_resumes_after_a_failed_rank_to_the_same_weights(
+    runs, data_with_bad_line, tmp_path
+):
+    """Plain torchrun with topology.drafters left null (the world size); rank 1 raises after the
+    checkpoint of step 3, and the resumed job (through the launcher) ends as the uninterrupted one."""
+    run = tmp_path / "colocated-resumed"
+    args = [
+        *COMMON,
+        f"data.train_files=[{data_with_bad_line}]",
+        "topology=colocated",
+        "train.checkpoint_every=1",
+    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    failed = subprocess.run(
+        [*torchrun, "-m", "dflash_mp.train", f"run_dir={run}", *args],
+        cwd=REPO,
+        env=job_env() | {FAULT_ENV: "rank=1,step=3,kind=raise"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert failed.returncode != 0
+    assert "rank 1 (colocated) failed: RuntimeError: injected fault" in (run / "logs" / "job.log").read_text()
+    assert read_heartbeats(run)[1]["role"] == "colocated"
+    assert checkpoint.latest(run / "checkpoints").name == "step_00000003"
+
+    run_train(run, *args, "topology.drafters=2", "train.resume=true")
+    assert "resuming from" in (run / "logs" / "rank0-colocated.log").read_text()
+    assert [r["loss"] for r in read_metrics(run)] == [r["loss"] for r in read_metrics(runs["colocated"])]
+    last = f"step_{STEPS:08d}"
+    resumed = load_file(run / "checkpoints" / last / "drafter.safetensors")
+    expected = load_file(runs["colocated"] / "checkpoints" / last / "drafter.safetensors")
+    for name in expected:
+        assert torch.equal(resumed[name], expected[name]), name

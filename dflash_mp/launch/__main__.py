@@ -67,14 +67,14 @@ def _compose(overrides: list[str]) -> DictConfig:
     return compose_config(overrides)
 
 
-def _targets_of_run(run_dir: Path) -> int:
-    """topology.targets from the config the ranks wrote (0 when they never got that far)."""
+def _targets_of_run(run_dir: Path) -> int | None:
+    """topology.targets from the config the ranks wrote (0: colocated; None when they never got that far)."""
     from omegaconf import OmegaConf
 
     try:
         return int(OmegaConf.load(run_dir / CONFIG_NAME).topology.targets)
     except Exception:  # no config.yaml yet, or not ours: roles are then named from heartbeats only
-        return 0
+        return None
 
 
 def judge_ended_job(args: argparse.Namespace) -> int:

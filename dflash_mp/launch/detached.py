@@ -128,7 +128,7 @@ def status(run_dir: Path) -> int:
         print(f"heartbeat:  last {now - newest:.1f}s ago")
         for rank, b in sorted(beats.items()):
             print(
-                f"  rank {rank} {b['role']:7} {b['state']:9} phase {b['phase']:10} step {b['step']:<6} "
+                f"  rank {rank} {b['role']:9} {b['state']:9} phase {b['phase']:10} step {b['step']:<6} "
                 f"progress {_age(now - b['progress_at'])} ago  pid {b['pid']}@{b['host']}"
             )
     if log_path.exists():

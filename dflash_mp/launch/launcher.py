@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from dflash_mp import doctor
+from dflash_mp.config import processes_per_job
 from dflash_mp.launch.detached import start_detached
 from dflash_mp.launch.outcome import EXIT_PREFLIGHT, Outcome, write_outcome
 from dflash_mp.launch.supervisor import supervise
@@ -73,7 +74,8 @@ def _launch(dict_cfg: DictConfig, overrides: list[str], run_dir: Path, lock: Run
         append_job_log(
             run_dir, f"train.overwrite=true: removed the earlier run's {', '.join(removed) or 'nothing'}"
         )
-    targets, drafters = int(dict_cfg.topology.targets), int(dict_cfg.topology.drafters)
+    targets = int(dict_cfg.topology.targets)
+    nproc = processes_per_job(dict_cfg, doctor.visible_gpus())  # the preflight made sure it is known
     if detach:
-        return start_detached(run_dir, targets + drafters, targets, overrides, lock)
-    return supervise(run_dir, targets + drafters, targets, overrides, echo=True, lock=lock)
+        return start_detached(run_dir, nproc, targets, overrides, lock)
+    return supervise(run_dir, nproc, targets, overrides, echo=True, lock=lock)

@@ -145,11 +145,21 @@ def _death(exit_code: int | None) -> str:
     return "died without a Python traceback (killed by a signal, the OOM killer, or a native crash)"
 
 
+def role_of_rank(rank: int, targets: int | None) -> str:
+    """The role of a rank that failed before its heartbeat named it: `targets` 0 is the colocated
+    layout, None a job whose topology is not known (it never wrote config.yaml)."""
+    if targets is None:
+        return "role unknown"
+    if targets == 0:
+        return "colocated"
+    return "target" if rank < targets else "drafter"
+
+
 def first_failure(
     beats: dict[int, dict],
     vanished: dict[int, float] | None,
     errors: dict[int, dict],
-    targets: int,
+    targets: int | None,
     before: float | None = None,
     exit_codes: dict[int, int] | None = None,
 ) -> Outcome | None:
@@ -172,7 +182,7 @@ def first_failure(
             events.append((died, rank, beat["role"], what, "failed"))
     for rank, error in errors.items():
         if rank not in beats:  # failed before its heartbeat started
-            role = "target" if rank < targets else "drafter"
+            role = role_of_rank(rank, targets)
             events.append((error["timestamp"], rank, role, f"raised {error['message']}", "failed"))
     events = [event for event in events if before is None or event[0] < before]
     if not events:
@@ -189,7 +199,7 @@ def judge(
     code: int,
     *,
     nproc: int,
-    targets: int,
+    targets: int | None,
     errors: dict[int, dict],
     vanished: dict[int, float] | None,
     stop: StopRequest | None,

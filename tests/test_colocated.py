@@ -1,0 +1,140 @@
+"""The colocated layout: its validation, its routing, the launcher's process count and a stop.
+
+The end-to-end equality with the split layout and the resume are in test_runtime_e2e.py, which
+shares the split runs they compare against.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dflash_mp import doctor
+from dflash_mp.config import ConfigError, compose_config, processes_per_job, to_dataclass, validate
+from dflash_mp.launch.outcome import role_of_rank
+from dflash_mp.topology import Role, Topology
+from dflash_mp.watchdog import EXIT_PREEMPTED, read_heartbeats
+from tests.conftest import REPO, job_env, read_metrics
+
+
+def _cfg(*overrides: str):
+    return to_dataclass(compose_config(list(overrides)))
+
+
+def _problems(cfg, world_size: int | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world_size=world_size)
+    return str(info.value)
+
+
+def test_colocated_takes_its_size_from_the_world():
+    cfg = _cfg("topology=colocated")
+    assert (cfg.topology.layout, cfg.topology.targets, cfg.topology.drafters) == ("colocated", 0, None)
+    for world_size in (1, 2, 8):
+        validate(cfg, world_size=world_size)
+    validate(_cfg("topology=colocated", "topology.drafters=4"), world_size=4)
+
+
+def test_colocated_with_target_ranks_is_refused_naming_the_fix():
+    message = _problems(_cfg("topology.layout=colocated"), world_size=3)  # the default 2t1d's targets=2
+    assert "topology.targets=2: the colocated layout has no target ranks" in message
+    assert "topology.targets=0" in message and "topology=colocated" in message
+
+
+def test_colocated_drafters_must_equal_the_world_size():
+    message = _problems(_cfg("topology=colocated", "topology.drafters=4"), world_size=8)
+    assert "topology.drafters=4 with topology.layout=colocated, but WORLD_SIZE is 8" in message
+    assert "topology.drafters=null" in message and "--nproc-per-node 4" in message
+    assert "topology.drafters=0: must be >= 1" in _problems(_cfg("topology=colocated", "topology.drafters=0"))
+
+
+def test_split_layout_problems_point_at_colocated_where_it_fits():
+    assert "topology.layout='mixed': must be one of 'split', 'colocated'" in _problems(
+        _cfg("topology.layout=mixed")
+    )
+    message = _problems(_cfg("topology.targets=0", "topology.drafters=2"), world_size=2)
+    assert "topology.targets=0: must be >= 1 (no target ranks: topology=colocated)" in message
+    message = _problems(_cfg("topology.drafters=null"), world_size=3)
+    assert "topology.drafters=None: must be >= 1 (null only with topology.layout=colocated)" in message
+
+
+def test_processes_per_job():
+    assert processes_per_job(_cfg("topology=1t2d"), visible_gpus=8) == 3
+    assert processes_per_job(_cfg("topology=colocated", "topology.drafters=3"), visible_gpus=8) == 3
+    assert processes_per_job(_cfg("topology=colocated", "train.device=auto"), visible_gpus=8) == 8
+    assert processes_per_job(_cfg("topology=colocated", "train.device=cpu"), visible_gpus=8) is None
+    assert processes_per_job(_cfg("topology=colocated", "train.device=auto"), visible_gpus=0) is None
+
+
+def test_doctor_asks_for_the_number_of_ranks_on_cpu(tmp_path):
+    checks = doctor.preflight(compose_config(["topology=colocated", "train.device=cpu"]), tmp_path / "run")
+    assert [c.message for c in doctor.failed(checks)] == [doctor.UNKNOWN_WORLD]
+    checks = doctor.preflight(
+        compose_config(["topology=colocated", "topology.drafters=2", "train.device=cpu"]), tmp_path / "run"
+    )
+    assert not doctor.failed(checks)
+    assert any(c.message == "valid for a world of 2 process(es)" for c in checks)
+
+
+def test_colocated_routes_as_the_split_with_as_many_drafters():
+    colocated, split = Topology(0, 3, 2), Topology(2, 3, 2)
+    assert colocated.colocated and not split.colocated
+    assert colocated.world_size == 3
+    assert {colocated.role_of(rank) for rank in range(3)} == {Role.COLOCATED}
+    for step in range(4):
+        for d in range(3):
+            assert colocated.micro_batches_of_drafter(d, step) == split.micro_batches_of_drafter(d, step)
+    for m in range(4 * colocated.micro_batches_per_step):
+        assert colocated.drafter_rank(m) == colocated.drafter_index(m) == split.drafter_index(m)
+
+
+def test_role_of_a_rank_that_failed_before_its_heartbeat():
+    assert [role_of_rank(r, 2) for r in range(4)] == ["target", "target", "drafter", "drafter"]
+    assert role_of_rank(1, 0) == "colocated"
+    assert role_of_rank(1, None) == "role unknown"
+
+
+@pytest.mark.slow
+def test_a_stop_signal_checkpoints_every_colocated_rank_at_the_same_step(tmp_path):
+    """SIGTERM from outside: the ranks agree on a step over the default group, the first one
+    checkpoints, and all leave with EXIT_PREEMPTED."""
+    run, steps = tmp_path / "stopped", 400  # long enough to be running when the signal comes
+    cmd = [sys.executable, "-m", "dflash_mp.launch", "run", f"run_dir={run}", "topology=colocated"]
+    cmd += [
+        "topology.drafters=2",
+        f"train.max_steps={steps}",
+        "train.export=false",
+        "logger.progress_every=1000",
+    ]
+    with open(tmp_path / "job.out", "w") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=job_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 120
+            metrics = run / "metrics.jsonl"
+            while proc.poll() is None and time.monotonic() < deadline:
+                if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                    break
+                time.sleep(0.05)
+            assert proc.poll() is None, (tmp_path / "job.out").read_text()[-3000:]
+            os.killpg(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=120) == EXIT_PREEMPTED
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    stopped_at = json.loads((run / "PREEMPTED").read_text())["step"]
+    assert 3 <= stopped_at < steps
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, stopped_at + 1))
+    assert (run / "checkpoints" / f"step_{stopped_at:08d}" / "drafter.safetensors").is_file()
+    beats = read_heartbeats(run)
+    assert {b["role"] for b in beats.values()} == {"colocated"}
+    assert {b["state"] for b in beats.values()} == {"preempted"}
+    assert "job PREEMPTED: exit code 75" in (run / "logs" / "job.log").read_text()
