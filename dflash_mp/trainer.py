@@ -27,7 +27,7 @@ from dflash_mp.transport import Features
 
 # Slots of the packed per-step vector (DrafterTrainer._pack_totals), then correct, count, selector.
 _SCORED, _MICRO_BATCHES = 2, 3  # after the loss sum and the token count
-_COUNTERS = 9  # ... then sequences, bytes, bad records, too-long records, stop requests
+_COUNTERS = 8  # ... then sequences, bytes, bad records, too-long records
 
 
 def lr_at(step: int, total_steps: int, peak: float, warmup_ratio: float, min_ratio: float) -> float:
@@ -134,7 +134,6 @@ class DrafterTrainer:
             else nullcontext()
         )
         self.step = 0
-        self.stop_agreed = False  # whether a drafter asked to stop, as of the last optimizer step
         self.totals = StepTotals()
         self._step_start = time.perf_counter()
 
@@ -200,7 +199,7 @@ class DrafterTrainer:
             ),
         )
 
-    def optimizer_step(self, extra: dict | None = None, stop_requested: bool = False) -> dict:
+    def optimizer_step(self, extra: dict | None = None) -> dict:
         """Clip, check finiteness, step AdamW at the scheduled lr; returns the metrics record.
 
         The step's loss is the mean over the micro-batches (of all drafters) that had loss
@@ -209,14 +208,12 @@ class DrafterTrainer:
         AdamW update, `skip_reason` "no_loss_tokens", loss null. The step counter, hence the data
         position and the lr schedule, advances either way.
 
-        `stop_requested` (this rank's) travels in the same all-reduce: afterwards `stop_agreed`
-        says whether any drafter asked to stop, so all stop after the same step. On GPU the step
-        synchronises with the host once: everything the host decides on (loss, counts, gradient
-        norm, finiteness, the stop flag) is computed on the device and read back in one copy.
+        On GPU the step synchronises with the host once: everything the host decides on (loss,
+        counts, gradient norm, finiteness) is computed on the device and read back in one copy.
         """
         cfg = self.cfg
         block = cfg.model.block_size
-        packed = self._pack_totals(stop_requested)
+        packed = self._pack_totals()
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(packed, group=self.group)
 
@@ -231,11 +228,8 @@ class DrafterTrainer:
         norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), max_norm)
         # The step's one host synchronisation.
         host = torch.cat([packed, norm.reshape(1).to(self.device, torch.float64)]).cpu()
-        loss_sum, tokens, scored, micro_batches, sequences, nbytes, bad, too_long, stop = host[
-            :_COUNTERS
-        ].tolist()
+        loss_sum, tokens, scored, micro_batches, sequences, nbytes, bad, too_long = host[:_COUNTERS].tolist()
         correct, count = host[_COUNTERS : _COUNTERS + block], host[_COUNTERS + block : _COUNTERS + 2 * block]
-        self.stop_agreed = stop > 0
 
         lr = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio)
         loss, grad_norm, skip_reason = None, 0.0, None
@@ -282,7 +276,7 @@ class DrafterTrainer:
         self.totals = StepTotals()
         return record
 
-    def _pack_totals(self, stop_requested: bool) -> torch.Tensor:
+    def _pack_totals(self) -> torch.Tensor:
         """Every per-step number in one float64 vector on the device (one all-reduce, one read):
         the _COUNTERS scalars, then correct [Bs], count [Bs], the DFlash 2 selector totals."""
         t, block, device = self.totals, self.cfg.model.block_size, self.device
@@ -298,7 +292,6 @@ class DrafterTrainer:
                 t.bytes_received,
                 t.bad_records,
                 t.too_long_records,
-                stop_requested,
             ],
             dtype=torch.float64,
         )
