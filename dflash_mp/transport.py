@@ -171,12 +171,12 @@ class Sender:
         if self._completion_stream is not None:
             # The side stream, not the compute stream, waits for the send: the target's next
             # forward overlaps the transfer. The tensors stay referenced here until `done`
-            # completed: they were allocated on the compute stream, and once freed the caching
-            # allocator hands their blocks to the next allocation on that stream at once, which
-            # the NCCL stream may still be reading. (record_stream would defer that reuse too,
-            # but holding the references keeps the memory bound exactly max_inflight
-            # micro-batches, freed where the backpressure waits, and does not depend on what
-            # ProcessGroupNCCL stashes until wait().)
+            # completed. They were allocated on the compute stream; freed earlier, the caching
+            # allocator would hand their blocks to the next allocation on that stream at once,
+            # while the NCCL stream may still read them. (ProcessGroupNCCL's own stash of them
+            # is let go at wait(), which orders only the side stream. record_stream(side) would
+            # defer the reuse too; holding the references frees them where the backpressure
+            # waits, so memory stays bounded by max_inflight micro-batches.)
             done = torch.cuda.Event()
             with torch.cuda.stream(self._completion_stream):
                 for work in works:
@@ -249,8 +249,8 @@ class Receiver:
 
     `indices` yields this drafter's micro-batch indices; `source_of(m)` gives the target
     rank that produces m. The tensor receives of micro-batch i+1 are posted before micro-batch
-    i is handed out when the header of i+1 is in, else by the `prefetch()` after it (double
-    buffering); the header receives run HEADER_LOOKAHEAD micro-batches ahead.
+    i is handed out when the header of i+1 is in, else by the first `prefetch()` or `next()`
+    that finds it in (double buffering); the header receives run HEADER_LOOKAHEAD ahead.
     """
 
     def __init__(self, meta_group, data_group, device: torch.device, indices, source_of) -> None:
@@ -262,7 +262,7 @@ class Receiver:
         self._arrivals = _HeaderArrivals()
         self._headers: deque[_PendingHeader] = deque()  # posted; their tensor receives are not
         self._next_tensors: _PendingTensors | None = None  # posted for the next micro-batch handed out
-        self._ended = False  # the end-of-data header was read: nothing more to post
+        self._ended = False  # no more header receives to post (indices exhausted, or end of data read)
         self._post_headers()
 
     def _post_headers(self) -> None:
@@ -337,11 +337,6 @@ class Receiver:
             self._end()
         else:
             self._post_headers()
-
-    @property
-    def posted_index(self) -> int | None:
-        """The micro-batch whose tensor receives are posted and not yet handed out, if any."""
-        return None if self._next_tensors is None else self._next_tensors.features.index
 
     def next(self) -> Features:
         """The next micro-batch for this drafter (end_of_data=True once the stream ends)."""
