@@ -193,7 +193,7 @@ def _stop_agreed(job: Job) -> bool:
     group = job.drafter_group
     if group is None or dist.get_world_size(group) == 1:
         return stop_requested()
-    flag = torch.tensor([float(stop_requested())], device=job.device)
+    flag = torch.full((1,), float(stop_requested()), device=job.device)  # a fill: no host-to-device copy
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
 

@@ -25,6 +25,10 @@ from dflash_mp.models.target import load_embedding_and_head
 from dflash_mp.selector_loss import add_selector_stats, pack_selector_totals, selector_metrics
 from dflash_mp.transport import Features
 
+# Slots of the packed per-step vector (DrafterTrainer._pack_totals), then correct, count, selector.
+_SCORED, _MICRO_BATCHES = 2, 3  # after the loss sum and the token count
+_COUNTERS = 8  # ... then sequences, bytes, bad records, too-long records
+
 
 def lr_at(step: int, total_steps: int, peak: float, warmup_ratio: float, min_ratio: float) -> float:
     """Linear warm-up then cosine decay to min_ratio * peak (DFlash recipe: 4% warm-up)."""
@@ -203,45 +207,36 @@ class DrafterTrainer:
         token is skipped by every drafter alike (they all see the same all-reduced count): no
         AdamW update, `skip_reason` "no_loss_tokens", loss null. The step counter, hence the data
         position and the lr schedule, advances either way.
+
+        On GPU the step synchronises with the host once: everything the host decides on (loss,
+        counts, gradient norm, finiteness) is computed on the device and read back in one copy.
         """
-        cfg, t = self.cfg, self.totals
+        cfg = self.cfg
         block = cfg.model.block_size
-        correct = t.correct if t.correct is not None else torch.zeros(block, device=self.device)
-        count = t.count if t.count is not None else torch.zeros(block, device=self.device)
-        # One all-reduce for every per-step number, so the metrics cost one collective.
-        local_loss = torch.stack(t.losses).sum()
-        local_tokens = torch.stack(t.token_counts).sum() if t.token_counts else torch.zeros(())
-        local_scored = torch.stack(t.scored).sum() if t.scored else torch.zeros(())
-        packed = torch.cat(
-            [
-                local_loss.reshape(1).to(self.device, torch.float64),
-                local_tokens.reshape(1).to(self.device, torch.float64),
-                local_scored.reshape(1).to(self.device, torch.float64),
-                torch.tensor(
-                    [t.micro_batches, t.sequences, t.bytes_received, t.bad_records, t.too_long_records],
-                    dtype=torch.float64,
-                    device=self.device,
-                ),
-                correct.to(self.device, torch.float64),
-                count.to(self.device, torch.float64),
-                pack_selector_totals(t.selector, block, self.device, self.drafter.arch == "dflash2"),
-            ]
-        )
+        packed = self._pack_totals()
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(packed, group=self.group)
-        loss_sum, tokens, scored, micro_batches, sequences, nbytes, bad, too_long = packed[:8].tolist()
-        correct, count = packed[8 : 8 + block], packed[8 + block : 8 + 2 * block]
+
+        # Micro-batches without loss tokens do not dilute the step (factor 1.0, a no-op, when all
+        # had some). The factor stays on the device, so the norm below needs no read-back first;
+        # rounded to the gradients' dtype as a Python float multiplier would be.
+        grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
+        if grads:
+            factor = packed[_MICRO_BATCHES] / packed[_SCORED].clamp_min(1)
+            torch._foreach_mul_(grads, factor.to(grads[0].dtype))
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), max_norm)
+        # The step's one host synchronisation.
+        host = torch.cat([packed, norm.reshape(1).to(self.device, torch.float64)]).cpu()
+        loss_sum, tokens, scored, micro_batches, sequences, nbytes, bad, too_long = host[:_COUNTERS].tolist()
+        correct, count = host[_COUNTERS : _COUNTERS + block], host[_COUNTERS + block : _COUNTERS + 2 * block]
 
         lr = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio)
         loss, grad_norm, skip_reason = None, 0.0, None
         if scored == 0:
             skip_reason = "no_loss_tokens"
         else:
-            if scored < micro_batches:  # micro-batches without loss tokens do not dilute the step
-                grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
-                torch._foreach_mul_(grads, micro_batches / scored)
-            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), max_norm))
+            grad_norm = float(host[-1])
             loss = loss_sum / scored
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 if cfg.train.on_nonfinite == "stop":
@@ -276,10 +271,44 @@ class DrafterTrainer:
             "step_time_s": elapsed,
         }
         if self.drafter.arch == "dflash2":
-            record.update(selector_metrics(packed[8 + 2 * block :], count, scored))
+            record.update(selector_metrics(host[_COUNTERS + 2 * block : -1], count, scored))
         record.update(extra or {})
         self.totals = StepTotals()
         return record
+
+    def _pack_totals(self) -> torch.Tensor:
+        """Every per-step number in one float64 vector on the device (one all-reduce, one read):
+        the _COUNTERS scalars, then correct [Bs], count [Bs], the DFlash 2 selector totals."""
+        t, block, device = self.totals, self.cfg.model.block_size, self.device
+        correct = t.correct if t.correct is not None else torch.zeros(block, device=device)
+        count = t.count if t.count is not None else torch.zeros(block, device=device)
+        no_tokens = torch.zeros((), dtype=torch.long, device=device)
+        local_tokens = torch.stack(t.token_counts).sum() if t.token_counts else no_tokens
+        local_scored = torch.stack(t.scored).sum() if t.scored else no_tokens
+        host_counters = torch.tensor(
+            [
+                t.micro_batches,
+                t.sequences,
+                t.bytes_received,
+                t.bad_records,
+                t.too_long_records,
+            ],
+            dtype=torch.float64,
+        )
+        if device.type == "cuda":
+            # A pageable host-to-device copy synchronises; from pinned memory it is queued like a kernel.
+            host_counters = host_counters.pin_memory()
+        return torch.cat(
+            [
+                torch.stack(t.losses).sum().reshape(1).to(device, torch.float64),
+                local_tokens.reshape(1).to(device, torch.float64),
+                local_scored.reshape(1).to(device, torch.float64),
+                host_counters.to(device, non_blocking=True),
+                correct.to(device, torch.float64),
+                count.to(device, torch.float64),
+                pack_selector_totals(t.selector, block, device, self.drafter.arch == "dflash2"),
+            ]
+        )
 
     def restart_step_clock(self) -> None:
         """Start timing the next step now (after work that is not training, e.g. an evaluation)."""

@@ -7,14 +7,22 @@ Headers go over a gloo group on the CPU even when the data goes over NCCL, so a 
 can read a header (shapes) without synchronising its GPU. Nothing is ever unpickled: the
 header is integers, the rest raw tensors whose shapes the header gives.
 
-Ordering rule: a sender issues, per micro-batch, header then tensors; a receiver posts the
-header of the next micro-batch it needs before it computes on the current one, then the
-tensor receives once the header is in. Same code on gloo (CPU) and NCCL (GPU).
+Ordering rule: a sender issues, per micro-batch and in increasing index order, the header
+then the tensors; only the tensor sends count against `max_inflight` (headers are a few bytes).
+A receiver keeps the header receives of its next HEADER_LOOKAHEAD micro-batches posted, in
+increasing index order, and posts the tensor receives of micro-batch i+1 as soon as its header
+is in: before it hands out micro-batch i when the header is already there (the transfer then
+overlaps the compute of i), else at the next `prefetch()` or `next()`, never blocking the
+compute of i on a late header. Every micro-batch gets fresh buffers, so a receive never writes
+into one the caller still reads. Same code on gloo (CPU) and NCCL (GPU).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +34,9 @@ HEADER_LEN = 16
 _MAGIC = 0xDF1A54
 _VERSION = 1
 FLAG_END_OF_DATA = 1
+# Header receives a drafter keeps posted beyond the micro-batch whose tensors it receives next:
+# two, so the header of i+2 has the whole compute of i to arrive before i+1 is handed out.
+HEADER_LOOKAHEAD = 2
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -70,17 +81,40 @@ def unpack_tokens(tokens: torch.Tensor, seq_len: int):
     return tokens[:, :s], tokens[:, s : 2 * s], tokens[:, 2 * s], tokens[:, 2 * s + 1]
 
 
+@dataclass
+class _Send:
+    """One message in flight: a header (`data` False) or a micro-batch's tensors."""
+
+    data: bool
+    works: list
+    tensors: tuple  # referenced until the send completed: see Sender.send_tensors
+    done: torch.cuda.Event | None = None  # CUDA: recorded once the send completed
+
+
 class Sender:
-    """Target side: sends micro-batches, at most `max_inflight` data sends outstanding."""
+    """Target side: sends micro-batches, at most `max_inflight` tensor sends outstanding.
+
+    Headers do not count: they are small, and the receiver posts their receives ahead. On CUDA
+    the compute stream never waits for a send (NCCL's stream already waits for the compute
+    stream when the send is issued); a side stream waits for each send and records an event,
+    and only the backpressure (more than `max_inflight` tensor sends outstanding) waits on the
+    host, for the oldest one.
+    """
 
     def __init__(self, meta_group, data_group, device: torch.device, max_inflight: int) -> None:
         self.meta_group = meta_group
         self.data_group = data_group
         self.device = device
         self.max_inflight = max_inflight
-        self.inflight: deque = deque()
+        self.inflight: deque[_Send] = deque()  # headers and tensor sends, in issue order
         self.clock = RoleClock(device)  # the caller times its work with `with sender.clock.busy():`
         self.bytes_sent = 0
+        self._completion_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def data_sends_in_flight(self) -> int:
+        """Tensor sends not yet known to be complete (what `max_inflight` bounds)."""
+        return sum(send.data for send in self.inflight)
 
     def _header(
         self,
@@ -118,43 +152,91 @@ class Sender:
     ):
         """Announce micro-batch `index` (shapes) before its hidden states exist."""
         header = self._header(0, index, epoch, batch, seq, feat, dtype, bad, too_long)
-        self.inflight.append((dist.isend(header, dst=dst, group=self.meta_group), header, None))
+        self._send_header(dst, header)
+
+    def _send_header(self, dst: int, header: torch.Tensor) -> None:
+        # Not counted against max_inflight; waited when the tensor send after it is drained
+        # (by then the receiver has read it, so that wait does not block).
+        self.inflight.append(_Send(False, [dist.isend(header, dst=dst, group=self.meta_group)], (header,)))
 
     def send_tensors(self, dst: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        if self.device.type == "cuda" and tokens.device.type == "cpu":
+            # From pinned memory the copy is queued like a kernel; from pageable memory the
+            # driver may first wait for the stream (the forward that is still running).
+            tokens = tokens.pin_memory()
         tokens = tokens.to(self.device, non_blocking=True).contiguous()
         hidden = hidden.contiguous()
         works = [dist.isend(t, dst=dst, group=self.data_group) for t in (tokens, hidden) if t.numel() > 0]
         done = None
-        if self.device.type == "cuda":
-            for work in works:
-                work.wait()  # makes the current stream wait for the send, without blocking the CPU
+        if self._completion_stream is not None:
+            # The side stream, not the compute stream, waits for the send: the target's next
+            # forward overlaps the transfer. The tensors stay referenced here until `done`
+            # completed. They were allocated on the compute stream; freed earlier, the caching
+            # allocator would hand their blocks to the next allocation on that stream at once,
+            # while the NCCL stream may still read them. (ProcessGroupNCCL's own stash of them
+            # is let go at wait(), which orders only the side stream. record_stream(side) would
+            # defer the reuse too; holding the references frees them where the backpressure
+            # waits, so memory stays bounded by max_inflight micro-batches.)
             done = torch.cuda.Event()
-            done.record()
+            with torch.cuda.stream(self._completion_stream):
+                for work in works:
+                    work.wait()
+                done.record(self._completion_stream)
         self.bytes_sent += tokens.numel() * tokens.element_size() + hidden.numel() * hidden.element_size()
-        self.inflight.append((works, (tokens, hidden), done))
+        self.inflight.append(_Send(True, works, (tokens, hidden), done))
         self._drain(self.max_inflight)
 
     def send_end_of_data(self, dst: int, index: int) -> None:
-        header = self._header(FLAG_END_OF_DATA, index, 0, 0, 0, 0, torch.float32, 0)
-        self.inflight.append((dist.isend(header, dst=dst, group=self.meta_group), header, None))
+        self._send_header(dst, self._header(FLAG_END_OF_DATA, index, 0, 0, 0, 0, torch.float32, 0))
 
     def _drain(self, keep: int) -> None:
-        while len(self.inflight) > keep:
-            works, _, done = self.inflight.popleft()
-            for work in works if isinstance(works, list) else [works]:
-                work.wait()
-            if done is not None:
-                done.synchronize()
+        """Wait, oldest first, until at most `keep` tensor sends are outstanding."""
+        while self.inflight and (keep == 0 or self.data_sends_in_flight > keep):
+            send = self.inflight.popleft()
+            if send.done is not None:
+                send.done.synchronize()  # host wait: the backpressure that bounds memory
+            else:
+                for work in send.works:
+                    work.wait()
 
     def close(self) -> None:
         self._drain(0)
 
 
+class _HeaderArrivals:
+    """Waits in a helper thread on posted header receives, in the order they were posted, so
+    the receiver can ask whether a header is in without blocking: gloo's work.is_completed()
+    stays False until someone has called wait(). The thread is a daemon: a rank that leaves
+    early (preemption, error) does not wait for a header that will never come."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="transport-headers", daemon=True).start()
+
+    def watch(self, work) -> Future:
+        arrived: Future = Future()
+        self._queue.put((work, arrived))
+        return arrived
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            work, arrived = item
+            try:
+                work.wait()
+            except BaseException as error:  # handed to the receiver, which raises it
+                arrived.set_exception(error)
+            else:
+                arrived.set_result(None)
+
+
 class _PendingHeader:
-    def __init__(self, index: int, src: int, meta_group) -> None:
+    def __init__(self, index: int, src: int, meta_group, arrivals: _HeaderArrivals) -> None:
         self.index, self.src = index, src
         self.header = torch.empty(HEADER_LEN, dtype=torch.int64)
-        self.work = dist.irecv(self.header, src=src, group=meta_group)
+        self.arrived = arrivals.watch(dist.irecv(self.header, src=src, group=meta_group))
 
 
 class _PendingTensors:
@@ -166,8 +248,9 @@ class Receiver:
     """Drafter side: receives the micro-batches it consumes, in increasing index order.
 
     `indices` yields this drafter's micro-batch indices; `source_of(m)` gives the target
-    rank that produces m. The receive of micro-batch i+1 is posted before micro-batch i
-    is returned to the caller (double buffering).
+    rank that produces m. The tensor receives of micro-batch i+1 are posted before micro-batch
+    i is handed out when the header of i+1 is in, else by the first `prefetch()` or `next()`
+    that finds it in (double buffering); the header receives run HEADER_LOOKAHEAD ahead.
     """
 
     def __init__(self, meta_group, data_group, device: torch.device, indices, source_of) -> None:
@@ -176,19 +259,32 @@ class Receiver:
         self.source_of = source_of
         self.clock = RoleClock(device)  # the caller times its work with `with receiver.clock.busy():`
         self.bytes_received = 0
-        self._next_header = self._post_header()
-        self._next_tensors: _PendingTensors | None = None
+        self._arrivals = _HeaderArrivals()
+        self._headers: deque[_PendingHeader] = deque()  # posted; their tensor receives are not
+        self._next_tensors: _PendingTensors | None = None  # posted for the next micro-batch handed out
+        self._ended = False  # no more header receives to post (indices exhausted, or end of data read)
+        self._post_headers()
 
-    def _post_header(self) -> _PendingHeader | None:
-        index = next(self.indices, None)
-        return None if index is None else _PendingHeader(index, self.source_of(index), self.meta_group)
+    def _post_headers(self) -> None:
+        while not self._ended and len(self._headers) < HEADER_LOOKAHEAD:
+            index = next(self.indices, None)
+            if index is None:
+                self._end()
+                return
+            self._headers.append(
+                _PendingHeader(index, self.source_of(index), self.meta_group, self._arrivals)
+            )
+
+    def _end(self) -> None:
+        self._ended = True
+        self._arrivals.close()
 
     def _wait(self, works) -> None:
         for work in works:
-            work.wait()
+            work.wait()  # NCCL: the current stream waits, not the host; gloo: the host waits
 
     def _post_tensors(self, pending: _PendingHeader) -> _PendingTensors:
-        self._wait([pending.work])
+        pending.arrived.result()  # raises what the header receive raised
         h = pending.header.tolist()
         if h[_H_MAGIC] != _MAGIC or h[_H_VERSION] != _VERSION:
             raise RuntimeError(
@@ -229,25 +325,35 @@ class Receiver:
         )
         return _PendingTensors(features, works)
 
+    def _post_next_tensors(self, block: bool) -> None:
+        """Post the tensor receives of the next micro-batch once its header is in; with `block`
+        False only if it already is (a late header must not hold up the caller's compute)."""
+        if self._next_tensors is not None or not self._headers:
+            return
+        if not block and not self._headers[0].arrived.done():
+            return
+        self._next_tensors = self._post_tensors(self._headers.popleft())
+        if self._next_tensors.features.end_of_data:
+            self._end()
+        else:
+            self._post_headers()
+
     def next(self) -> Features:
         """The next micro-batch for this drafter (end_of_data=True once the stream ends)."""
-        self.prefetch()
+        self._post_next_tensors(block=True)
         if self._next_tensors is None:
             raise RuntimeError("transport: receive past the end of this drafter's micro-batches")
         current, self._next_tensors = self._next_tensors, None
+        self._post_next_tensors(block=False)
         self._wait(current.works)
+        self._post_next_tensors(block=False)  # the header may have come in during the wait (gloo)
         self.bytes_received += current.features.nbytes
-        if not current.features.end_of_data:
-            # The next header receive is posted before the caller computes on this one.
-            self._next_header = self._post_header()
         return current.features
 
     def prefetch(self) -> None:
-        """Once the next header is in, post the tensor receives for it.
+        """Post the next micro-batch's tensor receives if its header is in; never blocks.
 
-        Call after launching the compute of the current micro-batch: on GPU the CPU runs
-        ahead of the kernels, so NCCL fills the next buffers while the current step runs.
+        Call after launching the compute of the current micro-batch, for the case its header
+        was not in when `next()` handed the current one out.
         """
-        if self._next_tensors is None and self._next_header is not None:
-            self._next_tensors = self._post_tensors(self._next_header)
-            self._next_header = None
+        self._post_next_tensors(block=False)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -139,3 +141,41 @@ def test_wandb_gets_every_per_position_list_flattened(tmp_path):
     metrics.close()
     step, flat = logged[0]
     assert step == 1 and flat["acc/pos2"] == 0.25 and flat["topk_recall/pos1"] == 0.9 and flat["loss"] == 2.0
+
+
+@pytest.mark.gpu
+def test_a_warm_drafter_step_synchronises_with_the_host_once():
+    cfg = to_dataclass(
+        compose_config(["train.max_steps=8", "train.grad_accum=2", "train.micro_batch_size=2"])
+    )
+    device = torch.device("cuda")
+    trainer = DrafterTrainer(cfg, device, total_steps=8)  # compiled, flex attention, fused AdamW
+    batch = _micro_batch(cfg)
+    batch = replace(
+        batch,
+        input_ids=batch.input_ids.to(device),
+        loss_mask=batch.loss_mask.to(device),
+        lengths=batch.lengths.to(device),
+        sample_ids=batch.sample_ids.to(device),
+        hidden_states=batch.hidden_states.to(device, trainer.hidden_dtype),
+    )
+
+    def step() -> dict:
+        trainer.micro_step(batch, last_of_step=False)
+        trainer.micro_step(batch, last_of_step=True)
+        return trainer.optimizer_step()
+
+    for _ in range(2):  # compiles, creates AdamW's state
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            record = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    # Exactly the optimizer step's one read-back (none at all would mean the count is broken).
+    assert len(syncs) == 1, syncs
+    assert not record["skipped"] and math.isfinite(record["loss"]) and record["grad_norm"] > 0
