@@ -150,15 +150,7 @@ def test_a_warm_drafter_step_synchronises_with_the_host_once():
     )
     device = torch.device("cuda")
     trainer = DrafterTrainer(cfg, device, total_steps=8)  # compiled, flex attention, fused AdamW
-    batch = _micro_batch(cfg)
-    batch = replace(
-        batch,
-        input_ids=batch.input_ids.to(device),
-        loss_mask=batch.loss_mask.to(device),
-        lengths=batch.lengths.to(device),
-        sample_ids=batch.sample_ids.to(device),
-        hidden_states=batch.hidden_states.to(device, trainer.hidden_dtype),
-    )
+    batch = _batch_on(_micro_batch(cfg), device, trainer.hidden_dtype)
 
     def step() -> dict:
         trainer.micro_step(batch, last_of_step=False)
@@ -179,3 +171,42 @@ def test_a_warm_drafter_step_synchronises_with_the_host_once():
     # Exactly the optimizer step's one read-back (none at all would mean the count is broken).
     assert len(syncs) == 1, syncs
     assert not record["skipped"] and math.isfinite(record["loss"]) and record["grad_norm"] > 0
+
+
+def _batch_on(batch, device, dtype):
+    return replace(
+        batch,
+        input_ids=batch.input_ids.to(device),
+        loss_mask=batch.loss_mask.to(device),
+        lengths=batch.lengths.to(device),
+        sample_ids=batch.sample_ids.to(device),
+        hidden_states=batch.hidden_states.to(device, dtype),
+    )
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+)  # cuda: fused AdamW takes the multiplier as its grad_scale
+@pytest.mark.parametrize("grad_clip", [0.0, 1e-3])
+def test_the_step_is_adamw_on_the_clipped_gradient(grad_clip, device):
+    """The rescale and the clip reach AdamW as one multiplier; the update must equal AdamW on
+    torch's own clip_grad_norm_ of the same gradient, and the recorded norm the unclipped one."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (run on the device machine)")
+    cfg = to_dataclass(compose_config(["train.max_steps=4", f"optim.grad_clip={grad_clip}"]))
+    trainer = DrafterTrainer(cfg, torch.device(device), total_steps=4)
+    trainer.micro_step(_batch_on(_micro_batch(cfg), device, trainer.hidden_dtype), last_of_step=True)
+    params = [p for p in trainer.drafter.parameters() if p.grad is not None]
+    shadow = [p.detach().clone().requires_grad_(True) for p in params]
+    for copy, param in zip(shadow, params, strict=True):
+        copy.grad = param.grad.clone()
+    expected_norm = float(torch.nn.utils.clip_grad_norm_(shadow, grad_clip if grad_clip > 0 else math.inf))
+    o = cfg.optim
+    lr = lr_at(0, 4, o.lr, o.warmup_ratio, o.min_lr_ratio)
+    fused = device == "cuda"
+    torch.optim.AdamW(shadow, lr=lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=fused).step()
+    record = trainer.optimizer_step()
+    assert record["grad_norm"] == pytest.approx(expected_norm, rel=1e-5)
+    assert grad_clip == 0 or expected_norm > grad_clip  # when set, the clip did act
+    for copy, param in zip(shadow, params, strict=True):
+        torch.testing.assert_close(param.detach(), copy.detach(), rtol=1e-5, atol=1e-7)
