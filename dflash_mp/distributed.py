@@ -36,6 +36,8 @@ class Job:
     device: torch.device
     meta_group: dist.ProcessGroup
     drafter_group: dist.ProcessGroup | None
+    # This target rank's replica group (topology.target_parallel > 1), else None.
+    replica_group: dist.ProcessGroup | None = None
 
     @property
     def role(self) -> Role:
@@ -96,6 +98,9 @@ def init_job(
     drafter_ranks = list(range(topology.targets, topology.world_size)) if drafter_group else []
     # new_group is collective over the world: every rank calls it, members or not.
     group = dist.new_group(ranks=drafter_ranks, timeout=timeout) if drafter_ranks else None
+    from dflash_mp.target_parallel import new_replica_groups
+
+    replica_group = new_replica_groups(topology, timeout)
     return Job(
         rank=rank,
         local_rank=local_rank,
@@ -104,6 +109,7 @@ def init_job(
         device=device,
         meta_group=meta_group,
         drafter_group=group if rank in drafter_ranks else None,
+        replica_group=replica_group,
     )
 
 

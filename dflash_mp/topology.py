@@ -8,6 +8,10 @@ same step's all-reduce whose inputs all have smaller m than anything it holds ba
 Optimizer step s consumes micro-batches [s*A*D, (s+1)*A*D): drafter d takes the A
 consecutive ones starting at s*A*D + d*A. The target that produces m is m mod T. Neither
 choice changes which samples form a step, so the training math is the same for any T.
+
+With `target_parallel=k`, the T target ranks form T/k replicas of k ranks each (replica r:
+ranks [r*k, (r+1)*k)), which run one tensor-parallel forward together. Routing counts
+replicas: replica m mod (T/k) produces m, and its first rank (the leader) sends it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,15 @@ class Topology:
     targets: int
     drafters: int
     grad_accum: int
+    # Target ranks per target replica (one tensor-parallel group); divides `targets`.
+    target_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if self.target_parallel < 1 or self.targets % self.target_parallel:
+            raise ValueError(
+                f"topology.targets={self.targets} is not a multiple of topology.target_parallel="
+                f"{self.target_parallel}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -38,9 +51,27 @@ class Topology:
     def role_of(self, rank: int) -> Role:
         return Role.TARGET if rank < self.targets else Role.DRAFTER
 
+    @property
+    def replicas(self) -> int:
+        """Target replicas: groups of `target_parallel` ranks that each hold the whole target."""
+        return self.targets // self.target_parallel
+
+    def replica_of(self, rank: int) -> int:
+        """The replica a target rank belongs to."""
+        return rank // self.target_parallel
+
+    def replica_ranks(self, replica: int) -> list[int]:
+        """Global ranks of `replica`, its leader first."""
+        first = replica * self.target_parallel
+        return list(range(first, first + self.target_parallel))
+
+    def is_replica_leader(self, rank: int) -> bool:
+        """True for the target rank that sends its replica's micro-batches."""
+        return rank < self.targets and rank % self.target_parallel == 0
+
     def target_rank(self, m: int) -> int:
-        """Global rank of the target that produces micro-batch m."""
-        return m % self.targets
+        """Global rank of the target that sends micro-batch m: the leader of replica m mod replicas."""
+        return (m % self.replicas) * self.target_parallel
 
     def drafter_index(self, m: int) -> int:
         """Index (0..D-1) among drafters of the one that consumes micro-batch m."""
@@ -55,9 +86,11 @@ class Topology:
         return range(start, start + self.grad_accum)
 
     def micro_batches_of_target(self, target_rank: int, start: int, stop: int) -> range:
-        """The indices in [start, stop) that target `target_rank` produces, in increasing order."""
-        first = start + (target_rank - start) % self.targets
-        return range(first, stop, self.targets)
+        """The indices in [start, stop) that target `target_rank` computes (with the rest of its
+        replica), in increasing order."""
+        replica = self.replica_of(target_rank)
+        first = start + (replica - start) % self.replicas
+        return range(first, stop, self.replicas)
 
     def end_of_data_indices(self, total: int) -> dict[int, int]:
         """For each drafter index, the index m >= total whose header tells it the data ended.
