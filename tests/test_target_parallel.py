@@ -13,10 +13,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen3Config
 
+from dflash_mp.config import (
+    ConfigError,
+    compose_config,
+    target_parallel_head_problems,
+    to_dataclass,
+    validate,
+)
 from dflash_mp.embedded import target_dir
 from dflash_mp.models.target import TargetFeatureExtractor
 from dflash_mp.models.tensor_parallel import layer_plan
 from dflash_mp.target_parallel import replica_mesh
+from tests.conftest import read_metrics, run_train
 
 LAYER_IDS = [1, 3]
 SOURCES = ("embedded", "random")
@@ -113,3 +121,67 @@ def test_a_plan_style_without_a_mapping_is_refused():
     config.base_model_tp_plan = {"layers.*.self_attn.qkv_proj": "packed_colwise"}
     with pytest.raises(ValueError, match="packed_colwise.*topology.target_parallel=1"):
         layer_plan(config)
+
+
+def _cfg(*overrides: str):
+    return to_dataclass(compose_config(list(overrides)))
+
+
+def test_a_two_rank_replica_is_a_valid_config():
+    validate(_cfg("topology.targets=2", "topology.target_parallel=2", "topology.drafters=1"), world_size=3)
+
+
+def test_targets_must_be_a_multiple_of_target_parallel():
+    cfg = _cfg("topology.targets=3", "topology.target_parallel=2", "topology.drafters=1")
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, world_size=4)
+    message = str(info.value)
+    assert "topology.targets=3 is not a multiple of topology.target_parallel=2" in message
+    assert "set topology.targets to 2" in message
+
+
+def test_target_parallel_must_divide_the_heads():
+    # The embedded target has 4 attention heads and 2 KV heads: 4 ranks cannot split the KV heads.
+    cfg = _cfg("topology.targets=4", "topology.target_parallel=4", "topology.drafters=1")
+    with pytest.raises(ConfigError, match=r"target_parallel=4: .*num_key_value_heads=2 .*use one of \[2\]"):
+        validate(cfg, world_size=5)
+
+
+def test_head_problems_name_the_splits_that_fit():
+    assert target_parallel_head_problems(2, {"num_attention_heads": 6, "num_key_value_heads": 2}) == []
+    (problem,) = target_parallel_head_problems(4, {"num_attention_heads": 12, "num_key_value_heads": 6})
+    assert "use one of [2, 3, 6]" in problem
+    (problem,) = target_parallel_head_problems(2, {"num_attention_heads": 5})  # no KV count: MHA
+    assert "num_key_value_heads=5" in problem and "use one of [5]" in problem
+    (problem,) = target_parallel_head_problems(2, {"num_attention_heads": 8, "num_key_value_heads": 1})
+    assert "use topology.target_parallel=1" in problem
+
+
+def test_target_parallel_below_one_is_refused():
+    with pytest.raises(ConfigError, match=r"topology.target_parallel=0: must be >= 1"):
+        validate(_cfg("topology.target_parallel=0"), world_size=3)
+
+
+@pytest.mark.slow
+def test_a_two_rank_replica_job_trains_like_a_one_rank_target(tmp_path):
+    """targets=2 target_parallel=2 (one replica) + 1 drafter against 1 target + 1 drafter."""
+    common = (
+        "train.max_steps=6",
+        "train.micro_batch_size=2",
+        "train.grad_accum=2",
+        "train.export=false",
+        "logger.progress_every=100",
+        "topology.drafters=1",
+    )
+    run_train(tmp_path / "tp2", *common, "topology.targets=2", "topology.target_parallel=2")
+    run_train(tmp_path / "tp1", *common, "topology.targets=1")
+    sharded = [r["loss"] for r in read_metrics(tmp_path / "tp2")]
+    single = [r["loss"] for r in read_metrics(tmp_path / "tp1")]
+    assert len(sharded) == 6
+    assert sharded == pytest.approx(single, rel=1e-5, abs=1e-5)
+    job_log = (tmp_path / "tp2" / "logs" / "job.log").read_text()
+    assert "1 replica(s) of 2 ranks" in job_log
+    # Only the leader sends: the drafter received what the single target sent, byte for byte.
+    assert [r["bytes_received"] for r in read_metrics(tmp_path / "tp2")] == [
+        r["bytes_received"] for r in read_metrics(tmp_path / "tp1")
+    ]
