@@ -72,6 +72,13 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
             extractor = _extractor(source, mesh)
             q_proj = extractor.decoder.layers[0].self_attn.q_proj.weight
             result[f"{source}_q_rows"] = q_proj.to_local().shape[0]
+            # A shard that is a view of the full weight would keep the whole weight alive.
+            result[f"{source}_oversized"] = [
+                name
+                for name, p in extractor.named_parameters()
+                if hasattr(p, "to_local")
+                and p.to_local().untyped_storage().nbytes() > p.to_local().numel() * p.element_size()
+            ]
             result[source] = extractor(_input_ids())
         torch.save(result, Path(out) / f"rank{rank}.pt")
         dist.destroy_process_group()
@@ -99,6 +106,7 @@ def test_a_two_rank_replica_gives_the_hidden_states_of_one_rank(replica_results,
     expected = single(_input_ids())
     for result in replica_results:
         assert result[f"{source}_q_rows"] == full_rows // 2  # each rank holds half the heads
+        assert result[f"{source}_oversized"] == []
         torch.testing.assert_close(result[source], expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(replica_results[0][source], replica_results[1][source])  # replicated
 
