@@ -3,7 +3,9 @@
 - the default group (NCCL on GPU, gloo on CPU) carries hidden states point-to-point;
 - `meta_group` (gloo, all ranks) carries the small headers and startup agreements on the CPU;
 - `drafter_group` (drafter ranks only) carries the drafters' gradient all-reduce, so
-  target ranks never join a drafter collective.
+  target ranks never join a drafter collective;
+- `replica_group` (topology.target_parallel > 1: the ranks of one target replica) carries the
+  replica's tensor-parallel all-reduces (dflash_mp.target_parallel).
 """
 
 from __future__ import annotations

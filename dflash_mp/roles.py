@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from dflash_mp import checkpoint
 from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
@@ -57,7 +58,11 @@ def make_reader(cfg: RootConfig, index: JsonlIndex) -> MicroBatchReader:
 
 
 def make_feature_extractor(
-    cfg: RootConfig, dtype: torch.dtype, device: torch.device, compile_layers: bool = False, mesh=None
+    cfg: RootConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    compile_layers: bool = False,
+    mesh: DeviceMesh | None = None,
 ):
     """The target of `cfg` on `device`; `mesh`: sharded tensor-parallel over this rank's replica."""
     from dflash_mp.models.target import TargetFeatureExtractor
