@@ -2,7 +2,8 @@
 
 Target ranks run `TargetFeatureExtractor`; drafter ranks only need the target's embedding and
 LM head matrices, which `load_embedding_and_head` reads straight from the safetensors files so a
-70B target is never instantiated there.
+70B target is never instantiated there. Given a DeviceMesh, a target rank holds its share of a
+tensor-parallel replica (dflash_mp.models.tensor_parallel); the features come out whole.
 """
 
 from __future__ import annotations
@@ -19,15 +20,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
-from dflash_mp.models.tensor_parallel import (
-    DeviceMesh,
-    check_divisible,
-    layer_plan,
-    parallel_degree,
-    shard_layer,
-)
+from dflash_mp.models.tensor_parallel import check_divisible, layer_plan, parallel_degree, shard_layer
 
 log = logging.getLogger(__name__)
 
