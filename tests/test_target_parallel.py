@@ -111,6 +111,68 @@ def test_a_two_rank_replica_gives_the_hidden_states_of_one_rank(replica_results,
     assert torch.equal(replica_results[0][source], replica_results[1][source])  # replicated
 
 
+def _gpu_worker(rank: int, port: int, out: str) -> None:
+    """One rank of a 2-GPU replica: the TP=1 and TP=2 builds of one random target, eager and compiled."""
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", rank=rank, world_size=2, device_id=device)
+        mesh = replica_mesh(dist.new_group(ranks=[0, 1]), device)
+        config = Qwen3Config(
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=6,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            vocab_size=1000,
+        )
+        ids = torch.randint(0, 1000, (2, 256), generator=torch.Generator().manual_seed(0)).to(device)
+        result = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            name = str(dtype).split(".")[-1]
+            before = torch.cuda.memory_allocated(device)
+            single = TargetFeatureExtractor.build_random(config, [1, 4], dtype, device, seed=5)
+            result[f"{name}_single"] = single(ids).cpu()
+            single_bytes = torch.cuda.memory_allocated(device) - before
+            del single
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated(device)
+            sharded = TargetFeatureExtractor.build_random(config, [1, 4], dtype, device, seed=5, mesh=mesh)
+            result[f"{name}_memory_ratio"] = (torch.cuda.memory_allocated(device) - before) / single_bytes
+            result[f"{name}_sharded"] = sharded(ids).cpu()
+            sharded.compile_layers()
+            result[f"{name}_compiled"] = sharded(ids).cpu()
+            del sharded
+            torch.cuda.empty_cache()
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.mark.gpu
+def test_a_two_gpu_replica_over_nccl_gives_the_hidden_states_of_one_gpu(tmp_path):
+    """NCCL, random target built on the GPUs, eager and torch.compiled; each GPU holds about half."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    try:
+        mp.start_processes(_gpu_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    except Exception as e:
+        errors = "\n".join(p.read_text() for p in sorted(tmp_path.glob("*.err")))
+        raise AssertionError(f"a replica rank failed:\n{errors}") from e
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for name, tolerance in (("float32", 1e-4), ("bfloat16", 5e-2)):
+            expected = result[f"{name}_single"]
+            torch.testing.assert_close(result[f"{name}_sharded"], expected, atol=tolerance, rtol=tolerance)
+            torch.testing.assert_close(result[f"{name}_compiled"], expected, atol=tolerance, rtol=tolerance)
+            # Layers halved, embedding and norms whole (the embedding is small at this shape).
+            assert result[f"{name}_memory_ratio"] < 0.7, result[f"{name}_memory_ratio"]
+
+
 def test_the_plan_comes_from_the_model_config():
     plan = layer_plan(_random_config())
     assert {name: type(style).__name__ for name, style in plan.items()} == {
@@ -193,3 +255,28 @@ def test_a_two_rank_replica_job_trains_like_a_one_rank_target(tmp_path):
     assert [r["bytes_received"] for r in read_metrics(tmp_path / "tp2")] == [
         r["bytes_received"] for r in read_metrics(tmp_path / "tp1")
     ]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_two_gpu_replica_job_trains_like_a_one_gpu_target(tmp_path):
+    """On 3 GPUs: the replica's all-reduces (its NCCL group) beside the leader's sends (the default
+    group) must neither hang nor change the training, up to float rounding."""
+    if torch.cuda.device_count() < 3:
+        pytest.skip("needs 3 GPUs")
+    common = (
+        "train.max_steps=6",
+        "train.micro_batch_size=2",
+        "train.grad_accum=2",
+        "train.export=false",
+        "train.device=cuda",
+        "train.dtype=float32",
+        "logger.progress_every=100",
+        "topology.drafters=1",
+    )
+    run_train(tmp_path / "tp2", *common, "topology.targets=2", "topology.target_parallel=2")
+    run_train(tmp_path / "tp1", *common, "topology.targets=1")
+    sharded = [r["loss"] for r in read_metrics(tmp_path / "tp2")]
+    single = [r["loss"] for r in read_metrics(tmp_path / "tp1")]
+    assert len(sharded) == 6
+    assert sharded == pytest.approx(single, rel=1e-3)
