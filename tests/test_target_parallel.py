@@ -165,10 +165,12 @@ def test_a_two_gpu_replica_over_nccl_gives_the_hidden_states_of_one_gpu(tmp_path
         raise AssertionError(f"a replica rank failed:\n{errors}") from e
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        for name, tolerance in (("float32", 1e-4), ("bfloat16", 5e-2)):
-            expected = result[f"{name}_single"]
-            torch.testing.assert_close(result[f"{name}_sharded"], expected, atol=tolerance, rtol=tolerance)
-            torch.testing.assert_close(result[f"{name}_compiled"], expected, atol=tolerance, rtol=tolerance)
+        # Relative error over the whole tensor: bf16 rounds each element too coarsely for elementwise checks.
+        for name, tolerance in (("float32", 1e-5), ("bfloat16", 2e-2)):
+            expected = result[f"{name}_single"].float()
+            for variant in ("sharded", "compiled"):
+                error = (result[f"{name}_{variant}"].float() - expected).norm() / expected.norm()
+                assert error < tolerance, (name, variant, error.item())
             # Layers halved, embedding and norms whole (the embedding is small at this shape).
             assert result[f"{name}_memory_ratio"] < 0.7, result[f"{name}_memory_ratio"]
 
