@@ -19,6 +19,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from dflash_mp.embedded import embedded_path, target_dir
 from dflash_mp.mask_token import mask_token_id, mask_token_problems
+from dflash_mp.topology import target_parallel_head_problems, target_parallel_problems
 
 
 class ConfigError(ValueError):
@@ -328,34 +329,6 @@ def _validate_dflash2_against_target(problems: list[str], m: Any, target: dict[s
         problems.append(f"model.selector_top_k={m.selector_top_k}: exceeds the target's vocab_size {vocab}")
 
 
-def _validate_target_parallel(problems: list[str], t: Any) -> None:
-    k = t.target_parallel
-    if not (isinstance(k, int) and k >= 1):
-        problems.append(f"topology.target_parallel={k!r}: must be >= 1 (1: one rank per target replica)")
-    elif isinstance(t.targets, int) and t.targets >= 1 and t.targets % k:
-        problems.append(
-            f"topology.targets={t.targets} is not a multiple of topology.target_parallel={k} "
-            f"(targets counts ranks, each replica takes {k}): set topology.targets to "
-            f"{max(k, t.targets // k * k)} or another multiple of {k}"
-        )
-
-
-def target_parallel_head_problems(k: Any, target: dict[str, Any]) -> list[str]:
-    """Tensor parallelism splits attention by heads: both head counts must divide by `k`."""
-    if not (isinstance(k, int) and k > 1):
-        return []
-    heads = int(target["num_attention_heads"])
-    kv_heads = int(target.get("num_key_value_heads") or heads)
-    if heads % k == 0 and kv_heads % k == 0:
-        return []
-    fitting = [d for d in range(2, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
-    return [
-        f"topology.target_parallel={k}: the target's num_attention_heads={heads} and "
-        f"num_key_value_heads={kv_heads} must both divide by it; use "
-        + (f"one of {fitting}" if fitting else "topology.target_parallel=1 (no split fits these heads)")
-    ]
-
-
 def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> None:
     """Raise ConfigError listing every problem in `cfg` (fields named, valid ranges given)."""
     problems: list[str] = []
@@ -364,7 +337,7 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
     _at_least(problems, "topology.targets", t.targets, 1)
     _at_least(problems, "topology.drafters", t.drafters, 1)
     _at_least(problems, "topology.max_inflight_sends", t.max_inflight_sends, 1)
-    _validate_target_parallel(problems, t)
+    problems += target_parallel_problems(t.targets, t.target_parallel)
     if world_size is not None and t.targets + t.drafters != world_size:
         problems.append(
             f"topology.targets + topology.drafters = {t.targets} + {t.drafters} = "

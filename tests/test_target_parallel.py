@@ -13,17 +13,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen3Config
 
-from dflash_mp.config import (
-    ConfigError,
-    compose_config,
-    target_parallel_head_problems,
-    to_dataclass,
-    validate,
-)
+from dflash_mp.config import ConfigError, compose_config, to_dataclass, validate
 from dflash_mp.embedded import target_dir
 from dflash_mp.models.target import TargetFeatureExtractor
 from dflash_mp.models.tensor_parallel import layer_plan
 from dflash_mp.target_parallel import replica_mesh
+from dflash_mp.topology import target_parallel_head_problems
 from tests.conftest import read_metrics, run_train
 
 LAYER_IDS = [1, 3]
@@ -227,6 +222,10 @@ def test_head_problems_name_the_splits_that_fit():
     assert "num_key_value_heads=5" in problem and "use one of [5]" in problem
     (problem,) = target_parallel_head_problems(2, {"num_attention_heads": 8, "num_key_value_heads": 1})
     assert "use topology.target_parallel=1" in problem
+    (problem,) = target_parallel_head_problems(
+        2, {"num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 99}
+    )
+    assert "intermediate_size=99" in problem
 
 
 def test_target_parallel_below_one_is_refused():
