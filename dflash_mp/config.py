@@ -19,6 +19,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from dflash_mp.embedded import embedded_path, target_dir
 from dflash_mp.mask_token import mask_token_id, mask_token_problems
+from dflash_mp.topology import target_parallel_head_problems, target_parallel_problems
 
 
 class ConfigError(ValueError):
@@ -104,6 +105,9 @@ class TopologyConfig:
     drafters: int | None = 1
     # Micro-batch sends a target rank may have in flight before it waits (bounds memory).
     max_inflight_sends: int = 2
+    # Target ranks per target replica, sharded tensor-parallel (for a target that does not fit
+    # one GPU); must divide topology.targets and the target's attention and KV head counts.
+    target_parallel: int = 1
 
 
 @dataclass
@@ -331,6 +335,7 @@ def _validate_dflash2_against_target(problems: list[str], m: Any, target: dict[s
 def _validate_split(problems: list[str], t: Any, world_size: int | None) -> None:
     _at_least(problems, "topology.targets", t.targets, 1, " (no target ranks: topology=colocated)")
     _at_least(problems, "topology.drafters", t.drafters, 1, " (null only with topology.layout=colocated)")
+    problems += target_parallel_problems(t.targets, t.target_parallel)
     if t.drafters is not None and world_size is not None and t.targets + t.drafters != world_size:
         problems.append(
             f"topology.targets + topology.drafters = {t.targets} + {t.drafters} = "
@@ -347,6 +352,11 @@ def _validate_colocated(problems: list[str], t: Any, world_size: int | None) -> 
             f"topology.targets={t.targets!r}: the colocated layout has no target ranks (every rank runs "
             "the target for its own micro-batches): set topology.targets=0, or pick topology=colocated, "
             "or topology.layout=split to keep target ranks"
+        )
+    if t.target_parallel != 1:
+        problems.append(
+            f"topology.target_parallel={t.target_parallel!r}: the colocated layout runs a whole target in "
+            "every rank; tensor-parallel target replicas need topology.layout=split with target ranks"
         )
     if t.drafters is None:
         return
@@ -483,6 +493,7 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
             if len(set(ids)) != len(ids):
                 problems.append(f"model.target_layer_ids={ids!r}: ids must be distinct")
         problems += mask_token_problems(cfg.model, target_dir)
+        problems += target_parallel_head_problems(t.target_parallel, target)
         max_positions = target.get("max_position_embeddings")
         if max_positions is not None and d.max_length > max_positions:
             problems.append(

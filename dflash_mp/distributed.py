@@ -3,7 +3,9 @@
 - the default group (NCCL on GPU, gloo on CPU) carries hidden states point-to-point;
 - `meta_group` (gloo, all ranks) carries the small headers and startup agreements on the CPU;
 - `drafter_group` (drafter ranks only) carries the drafters' gradient all-reduce, so
-  target ranks never join a drafter collective; in the colocated layout it is the default group.
+  target ranks never join a drafter collective; in the colocated layout it is the default group;
+- `replica_group` (topology.target_parallel > 1: the ranks of one target replica) carries the
+  replica's tensor-parallel all-reduces (dflash_mp.target_parallel).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class Job:
     device: torch.device
     meta_group: dist.ProcessGroup
     drafter_group: dist.ProcessGroup | None
+    # This target rank's replica group (topology.target_parallel > 1), else None.
+    replica_group: dist.ProcessGroup | None = None
 
     @property
     def role(self) -> Role:
@@ -99,6 +103,9 @@ def init_job(
     else:
         # new_group is collective over the world: every rank calls it, members or not.
         group = dist.new_group(ranks=drafter_ranks, timeout=timeout) if drafter_ranks else None
+    from dflash_mp.target_parallel import new_replica_groups
+
+    replica_group = new_replica_groups(topology, timeout)
     return Job(
         rank=rank,
         local_rank=local_rank,
@@ -107,6 +114,7 @@ def init_job(
         device=device,
         meta_group=meta_group,
         drafter_group=group if rank in drafter_ranks else None,
+        replica_group=replica_group,
     )
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from dflash_mp import checkpoint
 from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
@@ -57,8 +58,13 @@ def make_reader(cfg: RootConfig, index: JsonlIndex) -> MicroBatchReader:
 
 
 def make_feature_extractor(
-    cfg: RootConfig, dtype: torch.dtype, device: torch.device, compile_layers: bool = False
+    cfg: RootConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    compile_layers: bool = False,
+    mesh: DeviceMesh | None = None,
 ):
+    """The target of `cfg` on `device`; `mesh`: sharded tensor-parallel over this rank's replica."""
     from dflash_mp.models.target import TargetFeatureExtractor
 
     num_layers = int(read_target_config(cfg.model.target_path)["num_hidden_layers"])
@@ -68,6 +74,7 @@ def make_feature_extractor(
         dtype=dtype,
         device=device,
         trust_remote_code=cfg.model.trust_remote_code,
+        mesh=mesh,
     )
     if compile_layers:
         extractor.compile_layers()
@@ -102,15 +109,29 @@ def hidden_states_for_drafter(extractor, batch: MicroBatch, dtype: torch.dtype, 
 
 
 def run_target(cfg: RootConfig, job: Job, start_step: int, steps: int, reader, extractor, dtype) -> None:
-    """Produce this rank's micro-batches: `reader.read(m)` -> MicroBatch, `extractor(ids)` -> features."""
+    """Produce this rank's micro-batches: `reader.read(m)` -> MicroBatch, `extractor(ids)` -> features.
+
+    Every rank of a replica reads and computes the same micro-batches (the forward is one
+    tensor-parallel computation); only the replica's leader sends.
+    """
     log = get_logger()
     topology = job.topology
+    leader = topology.is_replica_leader(job.rank)
     sender = Sender(job.meta_group, None, job.device, cfg.topology.max_inflight_sends)
     start = start_step * topology.micro_batches_per_step
     stop = steps * topology.micro_batches_per_step
     mine = topology.micro_batches_of_target(job.rank, start, stop)
     feature_size = extractor.hidden_size * len(extractor.layer_ids)
-    log.info("producing %d micro-batches in [%d, %d) every %d", len(mine), start, stop, topology.targets)
+    log.info(
+        "producing %d micro-batches in [%d, %d) every %d%s",
+        len(mine),
+        start,
+        stop,
+        topology.replicas,
+        ""
+        if leader
+        else f" (computing only; rank {topology.replica_ranks(topology.replica_of(job.rank))[0]} sends)",
+    )
     bad_before, too_long_before = reader.bad_records, reader.too_long_records
     for m in mine:
         step = m // topology.micro_batches_per_step
@@ -122,13 +143,15 @@ def run_target(cfg: RootConfig, job: Job, start_step: int, steps: int, reader, e
         too_long, too_long_before = reader.too_long_records - too_long_before, reader.too_long_records
         batch_size, seq_len = batch.input_ids.shape
         # The header goes out before the forward, so the drafter can post its receives early.
-        sender.send_header(dst, m, batch.epoch, batch_size, seq_len, feature_size, dtype, bad, too_long)
+        if leader:
+            sender.send_header(dst, m, batch.epoch, batch_size, seq_len, feature_size, dtype, bad, too_long)
         beat("forward", step)
         with sender.clock.busy():
             hidden = hidden_states_for_drafter(extractor, batch, dtype, job.device)
         tokens = pack_tokens(batch.input_ids, batch.loss_mask, batch.lengths, batch.sample_ids)
         beat("send", step)
-        sender.send_tensors(dst, tokens, hidden)
+        if leader:
+            sender.send_tensors(dst, tokens, hidden)
     beat("send", steps)
     for drafter, m_end in topology.end_of_data_indices(stop).items():
         if topology.target_rank(m_end) == job.rank:

@@ -12,12 +12,17 @@ choice changes which samples form a step, so the training math is the same for a
 The colocated layout (topology.layout=colocated) is the topology with T = 0: every rank is a
 drafter that reads and runs the target for its own micro-batches, with the same routing of
 micro-batches to drafters, so it trains as the split with as many drafter ranks.
+
+With `target_parallel=k`, the T target ranks form T/k replicas of k ranks each (replica r:
+ranks [r*k, (r+1)*k)), which run one tensor-parallel forward together. Routing counts
+replicas: replica m mod (T/k) produces m, and its first rank (the leader) sends it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 
 class Role(str, Enum):
@@ -31,6 +36,13 @@ class Topology:
     targets: int
     drafters: int
     grad_accum: int
+    # Target ranks per target replica (one tensor-parallel group); divides `targets`.
+    target_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        problems = target_parallel_problems(self.targets, self.target_parallel)
+        if problems:
+            raise ValueError("; ".join(problems))
 
     @property
     def world_size(self) -> int:
@@ -50,9 +62,27 @@ class Topology:
             return Role.COLOCATED
         return Role.TARGET if rank < self.targets else Role.DRAFTER
 
+    @property
+    def replicas(self) -> int:
+        """Target replicas: groups of `target_parallel` ranks that each hold the whole target."""
+        return self.targets // self.target_parallel
+
+    def replica_of(self, rank: int) -> int:
+        """The replica a target rank belongs to."""
+        return rank // self.target_parallel
+
+    def replica_ranks(self, replica: int) -> list[int]:
+        """Global ranks of `replica`, its leader first."""
+        first = replica * self.target_parallel
+        return list(range(first, first + self.target_parallel))
+
+    def is_replica_leader(self, rank: int) -> bool:
+        """True for the target rank that sends its replica's micro-batches."""
+        return rank < self.targets and rank % self.target_parallel == 0
+
     def target_rank(self, m: int) -> int:
-        """Global rank of the target that produces micro-batch m."""
-        return m % self.targets
+        """Global rank of the target that sends micro-batch m: the leader of replica m mod replicas."""
+        return (m % self.replicas) * self.target_parallel
 
     def drafter_index(self, m: int) -> int:
         """Index (0..D-1) among drafters of the one that consumes micro-batch m."""
@@ -67,9 +97,11 @@ class Topology:
         return range(start, start + self.grad_accum)
 
     def micro_batches_of_target(self, target_rank: int, start: int, stop: int) -> range:
-        """The indices in [start, stop) that target `target_rank` produces, in increasing order."""
-        first = start + (target_rank - start) % self.targets
-        return range(first, stop, self.targets)
+        """The indices in [start, stop) that target `target_rank` computes (with the rest of its
+        replica), in increasing order."""
+        replica = self.replica_of(target_rank)
+        first = start + (replica - start) % self.replicas
+        return range(first, stop, self.replicas)
 
     def end_of_data_indices(self, total: int) -> dict[int, int]:
         """For each drafter index, the index m >= total whose header tells it the data ended.
@@ -78,3 +110,40 @@ class Topology:
         index would be total + d*A; the target that would produce it sends the flag.
         """
         return {d: total + d * self.grad_accum for d in range(self.drafters)}
+
+
+def target_parallel_problems(targets: Any, k: Any) -> list[str]:
+    """What is wrong with splitting `targets` target ranks into replicas of `k` (empty: nothing)."""
+    if not (isinstance(k, int) and k >= 1):
+        return [f"topology.target_parallel={k!r}: must be >= 1 (1: one rank per target replica)"]
+    if isinstance(targets, int) and targets >= 1 and targets % k:
+        return [
+            f"topology.targets={targets} is not a multiple of topology.target_parallel={k} "
+            f"(targets counts ranks, each replica takes {k}): set topology.targets to "
+            f"{max(k, targets // k * k)} or another multiple of {k}"
+        ]
+    return []
+
+
+def target_parallel_head_problems(k: Any, target: dict[str, Any]) -> list[str]:
+    """Tensor parallelism splits attention by heads and the MLP by columns: with `k` ranks per
+    replica, the target's (config.json) head counts and intermediate_size must divide by `k`."""
+    if not (isinstance(k, int) and k > 1):
+        return []
+    problems = []
+    heads = int(target["num_attention_heads"])
+    kv_heads = int(target.get("num_key_value_heads") or heads)
+    if heads % k or kv_heads % k:
+        fitting = [d for d in range(2, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
+        problems.append(
+            f"topology.target_parallel={k}: the target's num_attention_heads={heads} and "
+            f"num_key_value_heads={kv_heads} must both divide by it; use "
+            + (f"one of {fitting}" if fitting else "topology.target_parallel=1 (no split fits these heads)")
+        )
+    intermediate = target.get("intermediate_size")
+    if isinstance(intermediate, int) and intermediate % k:
+        problems.append(
+            f"topology.target_parallel={k}: the target's intermediate_size={intermediate} does not "
+            f"divide by it; use a topology.target_parallel that divides it"
+        )
+    return problems

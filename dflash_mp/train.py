@@ -42,7 +42,9 @@ def run_rank(dict_cfg: DictConfig) -> None:
 
     if cfg.topology.layout == "colocated":
         cfg.topology.drafters = world_size  # null: every rank trains (validated to agree when set)
-    topology = Topology(cfg.topology.targets, cfg.topology.drafters, cfg.train.grad_accum)
+    topology = Topology(
+        cfg.topology.targets, cfg.topology.drafters, cfg.train.grad_accum, cfg.topology.target_parallel
+    )
     timeout_s = process_group_timeout_s(cfg.watchdog.timeout_s)
     job = init_job(topology, cfg.train.device, timeout_s=timeout_s)
     run_dir = Path(shared_run_dir(cfg.run_dir, cfg.name, job.meta_group))
@@ -135,6 +137,11 @@ def _run_role(cfg, job, run_dir: Path) -> None:
             f"{job.world_size} colocated rank(s), each running the target and training"
             if job.topology.colocated
             else f"{job.topology.targets} target(s) + {job.topology.drafters} drafter(s)"
+            + (
+                f" (targets: {job.topology.replicas} replica(s) of {job.topology.target_parallel} ranks)"
+                if job.topology.target_parallel > 1
+                else ""
+            )
         )
         append_job_log(run_dir, f"started: world {job.world_size} = {roles} on {job.device.type}")
         # Written at a fresh start (with train.gamma and model.mask_token_id resolved, and the run's
@@ -169,7 +176,10 @@ def _run_role(cfg, job, run_dir: Path) -> None:
 
     if job.role is Role.TARGET:
         reader = make_reader(cfg, index)
-        extractor = make_feature_extractor(cfg, dtype, job.device, compile_layers)
+        from dflash_mp.target_parallel import replica_mesh
+
+        mesh = replica_mesh(job.replica_group, job.device)
+        extractor = make_feature_extractor(cfg, dtype, job.device, compile_layers, mesh=mesh)
         run_target(cfg, job, start_step, steps, reader, extractor, dtype)
         return
 

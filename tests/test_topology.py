@@ -56,14 +56,15 @@ def _simulate(topo: Topology, steps: int, max_inflight: int) -> bool:
     """
     total = steps * topo.micro_batches_per_step
     end = topo.end_of_data_indices(total)
+    leaders = [t for t in range(topo.targets) if topo.is_replica_leader(t)]  # the senders
     producer_queue = {
         t: list(topo.micro_batches_of_target(t, 0, total))
         + sorted(m for m in end.values() if topo.target_rank(m) == t)
-        for t in range(topo.targets)
+        for t in leaders
     }
     consumer_queue = {d: list(drafter_indices(topo, d, 0, steps)) for d in range(topo.drafters)}
     posted: set[int] = set()
-    unreceived = {t: [] for t in range(topo.targets)}
+    unreceived = {t: [] for t in leaders}
     received_in_step = dict.fromkeys(range(topo.drafters), 0)
     at_barrier: set[int] = set()
     progress = True
@@ -98,3 +99,44 @@ def _simulate(topo: Topology, steps: int, max_inflight: int) -> bool:
 @pytest.mark.parametrize("max_inflight", [1, 2])
 def test_protocol_never_deadlocks(targets, drafters, accum, max_inflight):
     assert _simulate(Topology(targets, drafters, accum), steps=3, max_inflight=max_inflight)
+
+
+@pytest.mark.parametrize("targets,parallel", [(2, 2), (4, 2), (6, 3), (4, 4)])
+@pytest.mark.parametrize("drafters,accum", [(1, 2), (3, 1)])
+def test_replicas_route_like_single_rank_targets(targets, parallel, drafters, accum):
+    """R replicas of k ranks produce what R one-rank targets would, each sent by its leader."""
+    topo = Topology(targets, drafters, accum, target_parallel=parallel)
+    plain = Topology(targets // parallel, drafters, accum)
+    assert topo.replicas == targets // parallel
+    total = 4 * topo.micro_batches_per_step
+    for m in range(total):
+        leader = topo.target_rank(m)
+        assert topo.is_replica_leader(leader)
+        assert leader == plain.target_rank(m) * parallel
+        assert topo.drafter_rank(m) == plain.drafter_rank(m) + targets - plain.targets
+    for rank in range(targets):
+        replica = topo.replica_of(rank)
+        assert rank in topo.replica_ranks(replica)
+        # Every rank of a replica computes the same micro-batches as the replica's leader.
+        assert topo.micro_batches_of_target(rank, 3, total) == plain.micro_batches_of_target(
+            replica, 3, total
+        )
+    assert [r for r in range(topo.world_size) if topo.is_replica_leader(r)] == list(
+        range(0, targets, parallel)
+    )
+    assert topo.replica_ranks(topo.replicas - 1)[-1] == targets - 1
+
+
+def test_a_split_that_does_not_divide_the_targets_is_refused():
+    with pytest.raises(
+        ValueError, match="topology.targets=3 is not a multiple of topology.target_parallel=2"
+    ):
+        Topology(3, 1, 1, target_parallel=2)
+
+
+@pytest.mark.parametrize("targets,parallel", [(2, 2), (6, 2), (6, 3)])
+@pytest.mark.parametrize("drafters", [1, 2])
+def test_replicas_never_deadlock(targets, parallel, drafters):
+    """The simulation runs the leaders (the only senders): replicas compute in lockstep with them."""
+    topo = Topology(targets, drafters, 2, target_parallel=parallel)
+    assert _simulate(topo, steps=3, max_inflight=1)

@@ -2,7 +2,8 @@
 
 Target ranks run `TargetFeatureExtractor`; drafter ranks only need the target's embedding and
 LM head matrices, which `load_embedding_and_head` reads straight from the safetensors files so a
-70B target is never instantiated there.
+70B target is never instantiated there. Given a DeviceMesh, a target rank holds its share of a
+tensor-parallel replica (dflash_mp.models.tensor_parallel); the features come out whole.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
+
+from dflash_mp.models.tensor_parallel import check_divisible, layer_plan, parallel_degree, shard_layer
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +72,9 @@ class TargetFeatureExtractor(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         trust_remote_code: bool = False,
+        mesh: DeviceMesh | None = None,
     ) -> None:
+        """`mesh`: shard the layers tensor-parallel over this 1-D mesh (this rank's replica)."""
         super().__init__()
         config = load_target_config(path, trust_remote_code=trust_remote_code)
         text_config = config.get_text_config()
@@ -83,8 +89,13 @@ class TargetFeatureExtractor(nn.Module):
         if getattr(text_config, "layer_types", None) is not None:
             text_config.layer_types = text_config.layer_types[:kept_layers]
         device = torch.device(device)
+        if mesh is not None:
+            check_divisible(text_config, parallel_degree(mesh))
         # Loading straight onto an accelerator needs `accelerate`; without it, load on CPU and move.
-        load_on_device = device.type != "cpu" and importlib.util.find_spec("accelerate") is not None
+        # A sharded target loads on CPU and goes to the device layer by layer, sharded.
+        load_on_device = (
+            mesh is None and device.type != "cpu" and importlib.util.find_spec("accelerate") is not None
+        )
         with _without_load_report():
             model, info = AutoModelForCausalLM.from_pretrained(
                 path,
@@ -99,8 +110,20 @@ class TargetFeatureExtractor(nn.Module):
         if broken:
             raise ValueError(f"target checkpoint {path} does not match its config: {broken[:8]}")
         # Keep the decoder stack only; the LM head (and the rest of the wrapper) is dropped with `model`.
-        self._attach(model.get_decoder().to(device))
-        log.info("target %s: running layers 0..%d of %d", path, kept_layers - 1, self.num_target_layers)
+        decoder = model.get_decoder()
+        del model
+        if mesh is None:
+            decoder.to(device)
+        else:
+            _place_sharded(decoder, device, mesh, layer_plan(text_config))
+        self._attach(decoder)
+        log.info(
+            "target %s: running layers 0..%d of %d%s",
+            path,
+            kept_layers - 1,
+            self.num_target_layers,
+            f", tensor-parallel over {parallel_degree(mesh)} ranks" if mesh is not None else "",
+        )
 
     def _attach(self, decoder: nn.Module) -> None:
         """Freeze `decoder` (layers 0..max(layer_ids)) and capture the outputs of layers `layer_ids`."""
@@ -117,10 +140,14 @@ class TargetFeatureExtractor(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         seed: int = 0,
+        mesh: DeviceMesh | None = None,
     ) -> TargetFeatureExtractor:
         """A randomly initialised target of `config`'s shape, built in memory on `device` (benchmarks, tests).
 
-        Same truncation and outputs as a loaded target; no checkpoint is read or written.
+        Same truncation and outputs as a loaded target; no checkpoint is read or written. The
+        layers are built one at a time on `device` (each from its own seed) and, with `mesh`,
+        sharded at once: a target too large for one device never exists whole on any of them,
+        and the weights do not depend on the mesh.
         """
         text_config = copy.deepcopy(config.get_text_config())
         num_layers = text_config.num_hidden_layers
@@ -129,11 +156,35 @@ class TargetFeatureExtractor(nn.Module):
         text_config.num_hidden_layers = kept_layers
         if getattr(text_config, "layer_types", None) is not None:
             text_config.layer_types = text_config.layer_types[:kept_layers]
+        if mesh is not None:
+            check_divisible(text_config, parallel_degree(mesh))
         device = torch.device(device)
-        # Weights are drawn directly on `device` (fast on a GPU), from a forked RNG seeded by `seed`.
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
-            torch.manual_seed(seed)
+        # The skeleton on "meta" allocates nothing; the embedding, norm and rotary tables are
+        # built for real (small), then each layer is materialised on `device`.
+        with torch.device("meta"):
             decoder = AutoModel.from_config(text_config, dtype=dtype)
+        shell_config = copy.deepcopy(text_config)
+        shell_config.num_hidden_layers = 0
+        if getattr(shell_config, "layer_types", None) is not None:
+            shell_config.layer_types = []
+        with _seeded(device, seed):
+            shell = AutoModel.from_config(shell_config, dtype=dtype).to(device)
+        for name, child in shell.named_children():
+            if name != "layers":
+                setattr(decoder, name, child)
+        plan = layer_plan(text_config) if mesh is not None else None
+        for index, layer in enumerate(decoder.layers):
+            layer.to_empty(device=device)
+            with _seeded(device, seed * 100_003 + index + 1), torch.no_grad():
+                for module in layer.modules():
+                    decoder._init_weights(module)
+            if mesh is not None:
+                shard_layer(layer, plan, mesh)
+        left_on_meta = [n for n, t in [*decoder.named_parameters(), *decoder.named_buffers()] if t.is_meta]
+        if left_on_meta:
+            raise RuntimeError(
+                f"build_random left tensors unbuilt (an unexpected model layout): {left_on_meta[:8]}"
+            )
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.num_target_layers = num_layers
@@ -166,6 +217,24 @@ class TargetFeatureExtractor(nn.Module):
         ]
         self._captured.clear()
         return torch.cat(features, dim=-1)
+
+
+@contextmanager
+def _seeded(device: torch.device, seed: int) -> Iterator[None]:
+    """Draws on `device` from a forked RNG seeded by `seed` (the caller's RNG is left as it was)."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
+        torch.manual_seed(seed)
+        yield
+
+
+def _place_sharded(decoder: nn.Module, device: torch.device, mesh: DeviceMesh, plan: dict) -> None:
+    """Move a CPU-loaded decoder to `device`, sharding each layer as it arrives (one full layer
+    at a time on the device)."""
+    for name, child in decoder.named_children():
+        if name != "layers":
+            child.to(device)
+    for layer in decoder.layers:
+        shard_layer(layer.to(device), plan, mesh)
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
