@@ -29,6 +29,7 @@ from torch.profiler import record_function
 
 from dflash_mp.block_mask import dense_block_mask, flex_block_mask
 from dflash_mp.selector_loss import SelectorStats, selector_loss
+from dflash_mp.top_k import top_k_ids
 
 
 class LossStats(TypedDict):
@@ -210,34 +211,6 @@ def _ce_and_grad(
     return loss, grad.to(logits.dtype), x.argmax(-1) == labels
 
 
-def top_k_ids(logits: Tensor, k: int, group: int = 128) -> Tensor:
-    """Ids of each row's `k` largest logits [M, V] -> [M, k], sorted by logit (ties in any order).
-
-    Two stages instead of one `topk` over the whole vocabulary, whose radix select costs ~9 ms per
-    8192 rows at V = 152k on an H200: the k largest entries lie in the k groups (of `group`
-    consecutive ids) with the largest maxima, since each group left out has a maximum no larger
-    than k others'. So: one max per group, the top-k groups, then top-k of their k * group ids
-    (plus the ids of a last, incomplete group). Same values as `logits.topk(k)`.
-    """
-    rows, vocab = logits.shape
-    groups = vocab // group
-    if groups <= k:
-        return logits.topk(k, dim=-1).indices
-    group_max = logits[:, : groups * group].unflatten(-1, (groups, group)).amax(-1)
-    best_groups = group_max.topk(k, dim=-1).indices
-    offsets = torch.arange(group, device=logits.device)
-    ids = (best_groups[:, :, None] * group + offsets).flatten(1)
-    tail = torch.arange(groups * group, vocab, device=logits.device)
-    ids = torch.cat([ids, tail.expand(rows, -1)], dim=1)
-    picked = logits.gather(-1, ids).topk(k, dim=-1).indices
-    return ids.gather(-1, picked)
-
-
-@functools.cache
-def _compiled_top_k_ids() -> Callable[[Tensor, int], Tensor]:
-    return torch.compile(top_k_ids)
-
-
 @functools.cache
 def _compiled_ce_and_grad() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
     # Chunks have at most two sizes per micro-batch shape; a micro-batch of another size (records
@@ -271,7 +244,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_hidden_grad = grad_enabled and ctx.needs_input_grad[0]
         need_head_grad = grad_enabled and ctx.needs_input_grad[1]
         ce_and_grad = _compiled_ce_and_grad() if hidden.is_cuda else _ce_and_grad
-        top_k_of = _compiled_top_k_ids() if hidden.is_cuda else top_k_ids
         # Equal chunks (at most two sizes), so the compiled part sees few shapes.
         num_chunks = max(1, -(-rows // chunk_tokens))
         size = max(1, -(-rows // num_chunks))
@@ -286,7 +258,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             chunk = hidden[rows_of_chunk]
             logits = F.linear(chunk, head)
             if top_k:  # multiplier > 0 and the cap are increasing: the raw logits rank alike
-                candidates[rows_of_chunk] = top_k_of(logits, top_k)
+                candidates[rows_of_chunk] = top_k_ids(logits, top_k)
             chunk_loss, logits_grad, correct[rows_of_chunk] = ce_and_grad(
                 logits, labels[rows_of_chunk], scale[rows_of_chunk], multiplier, softcap
             )
