@@ -210,9 +210,6 @@ def test_fresh_dflash2_drafter_computes_what_its_dflash_weights_compute() -> Non
     inputs = _training_layout()
     with torch.no_grad():
         torch.testing.assert_close(dflash2(*inputs), dflash(*inputs), atol=0, rtol=0)
-        # Under bf16 autocast (training on a GPU) the convolutions run in bf16: still the identity.
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            torch.testing.assert_close(dflash2(*inputs), dflash(*inputs), atol=0, rtol=0)
     selector = dflash2.candidate_selector
     assert selector.successor_codebook.abs().sum() == 0 and selector.predecessor_codebook.std() > 0
     logits = torch.randn(2, BLOCK - 1, VOCAB)

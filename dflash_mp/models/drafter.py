@@ -213,16 +213,6 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, num_queries, -1))
 
 
-def _autocast_dtype(normed: torch.Tensor) -> torch.Tensor:
-    """`normed` in the autocast dtype when autocast is on. The norms return fp32 (their weights are
-    fp32) and the sublayers would read the input in bf16 anyway, so DFlash 2's convolution of it runs
-    in bf16 too, as in bf16 inference: half the memory traffic of convolving the fp32 output."""
-    device = normed.device.type
-    if torch.is_autocast_enabled(device):
-        return normed.to(torch.get_autocast_dtype(device))
-    return normed
-
-
 class DFlashDecoderLayer(nn.Module):
     """A pre-norm Qwen3 decoder layer whose attention also reads the target context.
 
@@ -256,11 +246,11 @@ class DFlashDecoderLayer(nn.Module):
         if self.attention_conv is None:
             hidden_states = hidden_states + self.self_attn(normed, context, cos, sin, mask)
             return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
-        convolved, after = self.attention_conv.prepare(_autocast_dtype(normed), position_in_block)
+        convolved, after = self.attention_conv.prepare(normed, position_in_block)
         attended = self.self_attn(convolved, context, cos, sin, mask)
         hidden_states = hidden_states + self.attention_conv.finish(attended, after, position_in_block)
         convolved, after = self.mlp_conv.prepare(
-            _autocast_dtype(self.post_attention_layernorm(hidden_states)), position_in_block
+            self.post_attention_layernorm(hidden_states), position_in_block
         )
         return hidden_states + self.mlp_conv.finish(self.mlp(convolved), after, position_in_block)
 
