@@ -16,7 +16,7 @@ from dflash_mp.config import RootConfig
 from dflash_mp.data import MicroBatchReader
 from dflash_mp.distributed import Job
 from dflash_mp.logs import get_logger
-from dflash_mp.roles import _stop_agreed, features_of, hidden_states_for_drafter
+from dflash_mp.roles import features_of, hidden_states_for_drafter
 from dflash_mp.watchdog import Preempted, beat
 
 
@@ -64,7 +64,7 @@ def run_colocated(
             record = trainer.optimizer_step()
         record.update(time_split(target_clock, drafter_clock))
         on_step(record)
-        if trainer.step < steps and _stop_agreed(job):
+        if trainer.step < steps and trainer.stop_agreed:
             raise Preempted(trainer.step)
     log.info(
         "done after step %d: target side %.1fs, drafter side %.1fs, %d bad records",

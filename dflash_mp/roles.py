@@ -7,7 +7,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from dflash_mp import checkpoint
@@ -19,7 +18,7 @@ from dflash_mp.logs import get_logger
 from dflash_mp.resume import check_layout
 from dflash_mp.topology import Topology
 from dflash_mp.transport import Features, Receiver, Sender, pack_tokens
-from dflash_mp.watchdog import Preempted, beat, stop_requested
+from dflash_mp.watchdog import Preempted, beat
 
 
 def total_steps(cfg: RootConfig, num_records: int, topology: Topology) -> int:
@@ -202,23 +201,13 @@ def run_drafter(cfg: RootConfig, job: Job, trainer, start_step: int, steps: int,
             record = trainer.optimizer_step()
         record.update(_balance(receiver, target_balance))
         on_step(record)
-        if trainer.step < steps and _stop_agreed(job):
+        if trainer.step < steps and trainer.stop_agreed:
             raise Preempted(trainer.step)
     beat("receive", trainer.step)
     final = receiver.next()
     if not final.end_of_data:
         raise RuntimeError(f"expected the end-of-data flag at micro-batch {final.index}")
     log.info("end of data after step %d", trainer.step)
-
-
-def _stop_agreed(job: Job) -> bool:
-    """A stop request (SIGTERM/SIGUSR1) on any drafter stops them all after the same step."""
-    group = job.drafter_group
-    if group is None or dist.get_world_size(group) == 1:
-        return stop_requested()
-    flag = torch.full((1,), float(stop_requested()), device=job.device)  # a fill: no host-to-device copy
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
 
 
 def _balance(receiver: Receiver, targets: dict[int, tuple[float, float]]) -> dict:

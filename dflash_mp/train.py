@@ -193,7 +193,9 @@ def _run_role(cfg, job, run_dir: Path) -> None:
             extractor=make_feature_extractor(cfg, dtype, job.device, compile_layers),
             dtype=dtype,
         )
-    trainer = DrafterTrainer(cfg, job.device, steps, group=job.drafter_group)
+    trainer = DrafterTrainer(
+        cfg, job.device, steps, group=job.drafter_group, stop_requested=watchdog.stop_requested
+    )
     if start_step > 0:
         trainer.load_training_state(state if state is not None else load_resume_state(run_dir, start_step))
     metrics = evaluator = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ from dflash_mp.transport import Features
 
 # Slots of the packed per-step vector (DrafterTrainer._pack_totals), then correct, count, selector.
 _SCORED, _MICRO_BATCHES = 2, 3  # after the loss sum and the token count
-_COUNTERS = 8  # ... then sequences, bytes, bad records, too-long records
+_COUNTERS = 9  # ... then sequences, bytes, bad records, too-long records, stop votes
 
 
 def lr_at(step: int, total_steps: int, peak: float, warmup_ratio: float, min_ratio: float) -> float:
@@ -96,9 +97,14 @@ class DrafterTrainer:
         group=None,
         drafter: DFlashDrafter | None = None,
         embed_and_head: tuple[torch.Tensor, torch.Tensor] | None = None,
+        stop_requested: Callable[[], bool] | None = None,
     ) -> None:
-        """`drafter` and `embed_and_head` default to what cfg.model describes (benchmarks pass their own)."""
+        """`drafter` and `embed_and_head` default to what cfg.model describes (benchmarks pass their own).
+        `stop_requested()` says whether this rank was asked to stop (SIGTERM/SIGUSR1): each optimizer
+        step agrees on it over the drafter group (`stop_agreed`) in the all-reduce it makes anyway."""
         self.cfg = cfg
+        self.stop_requested = stop_requested or (lambda: False)
+        self.stop_agreed = False
         self.device = device
         self.total_steps = total_steps
         self.group = group  # drafter-only process group (None: single process)
@@ -229,7 +235,10 @@ class DrafterTrainer:
         gradient_scale = factor * (max_norm / (norm + 1e-6)).clamp(max=1.0)
         # The step's one host synchronisation.
         host = torch.cat([packed, norm.reshape(1).to(self.device, torch.float64)]).cpu()
-        loss_sum, tokens, scored, micro_batches, sequences, nbytes, bad, too_long = host[:_COUNTERS].tolist()
+        loss_sum, tokens, scored, micro_batches, sequences, nbytes, bad, too_long, stops = host[
+            :_COUNTERS
+        ].tolist()
+        self.stop_agreed = stops > 0  # any drafter asked: all stop after this same step
         correct, count = host[_COUNTERS : _COUNTERS + block], host[_COUNTERS + block : _COUNTERS + 2 * block]
 
         lr = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio)
@@ -309,6 +318,7 @@ class DrafterTrainer:
                 t.bytes_received,
                 t.bad_records,
                 t.too_long_records,
+                float(self.stop_requested()),
             ],
             dtype=torch.float64,
         )

@@ -563,4 +563,3 @@ def test_a_warm_compiled_drafter_micro_step_never_waits_on_the_gpu() -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(loss).item() and stats["count"].sum().item() > 0
-

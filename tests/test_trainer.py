@@ -210,3 +210,36 @@ def test_the_step_is_adamw_on_the_clipped_gradient(grad_clip, device):
     assert grad_clip == 0 or expected_norm > grad_clip  # when set, the clip did act
     for copy, param in zip(shadow, params, strict=True):
         torch.testing.assert_close(param.detach(), copy.detach(), rtol=1e-5, atol=1e-7)
+
+
+def _stop_vote(rank: int, port: int, results) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        cfg = to_dataclass(compose_config(["train.max_steps=4"]))
+        # Only rank 1 is asked to stop; the step's one all-reduce must make both stop together.
+        trainer = DrafterTrainer(
+            cfg, torch.device("cpu"), 4, group=dist.group.WORLD, stop_requested=lambda: rank == 1
+        )
+        trainer.micro_step(_micro_batch(cfg), last_of_step=True)
+        trainer.optimizer_step()
+        results[rank] = trainer.stop_agreed
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_stop_asked_of_one_drafter_is_agreed_by_all_in_the_optimizer_step():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_stop_vote, args=(port, results), nprocs=2, join=True)
+    assert dict(results) == {0: True, 1: True}

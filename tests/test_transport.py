@@ -205,6 +205,7 @@ class RecordingTrainer:
     def __init__(self, fake: Loopback, during_micro_step=None) -> None:
         self.fake, self.during_micro_step = fake, during_micro_step
         self.step = 0
+        self.stop_agreed = False
         self.computed: list[int] = []
 
     def micro_step(self, batch, last_of_step: bool) -> None:

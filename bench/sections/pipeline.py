@@ -55,6 +55,10 @@ class RecordingTrainer:
     def step(self) -> int:
         return self.trainer.step
 
+    @property
+    def stop_agreed(self) -> bool:
+        return self.trainer.stop_agreed
+
     def micro_step(self, batch, last_of_step: bool) -> None:
         self.micro_steps += 1
         if self.on_call is not None:
