@@ -213,7 +213,7 @@ class MicroBatchReader:
         ):
             return
         raise DataError(
-            f"{self.bad_records} of the {self.records_read} records this target rank read are bad "
+            f"{self.bad_records} of the {self.records_read} records this rank read are bad "
             f"({self.bad_records / self.records_read:.1%}), above data.max_bad_fraction={self.max_bad_fraction}: "
             "fix the data (`python -m dflash_mp.launch doctor` lists examples with file:line) "
             "or raise data.max_bad_fraction"
