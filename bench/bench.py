@@ -176,7 +176,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.sections) - set(SECTIONS))
     if unknown:
         p.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
-    args.out = args.out or f"bench-{args.shape}.json"
     if args.fault:
         parts = args.fault.split(":")
         if len(parts) not in (3, 4) or parts[0] not in SECTIONS or parts[2] not in ("raise", "hang"):
@@ -564,7 +563,17 @@ def main(argv=None) -> int:
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     if on_cpu and args.shape != "tiny":
         raise SystemExit(f"bench.py: --shape {args.shape} needs GPUs; on CPU use --shape tiny --device cpu")
-    bench = Bench(args, layout_from_env(args))
+    layout = layout_from_env(args)
+    # Default name: the shape, and the layout unless it is the 1 + 1 (or 1-rank) default.
+    default_layout = layout.single or (layout.targets, layout.drafters, layout.target_parallel) == (1, 1, 1)
+    suffix = (
+        ""
+        if default_layout
+        else f"-{layout.targets}t{layout.drafters}d"
+        + (f"-tp{layout.target_parallel}" if layout.target_parallel > 1 else "")
+    )
+    args.out = args.out or f"bench-{args.shape}{suffix}.json"
+    bench = Bench(args, layout)
     roles = "+".join(role for role in ROLES if role in bench.roles)
     bench.log(
         f"{bench.device} rank {bench.rank} ({roles}) of layout {bench.layout.name}, shape {args.shape}, "
