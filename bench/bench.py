@@ -15,6 +15,9 @@ every drafter rank (DDP over the drafters when D > 1; the first drafter's at the
 between rank 0 and the first drafter, pipeline over the whole layout (run_target / run_drafter),
 colocated over every rank (both roles in each, DDP over all). With k > 1, target_parallel_check
 compares the replica's hidden states and throughput with a one-GPU forward of the same weights.
+--drafters 0 is a target-only run (`--target-parallel 2` on 2 ranks: one TP=2 replica, its check,
+and colocated x2). Sections that need a whole target on one GPU (target_parallel_check, colocated)
+are skipped when its weights do not fit; a target shard that fits no GPU is refused at start.
 
 Measures in one run, each after warm-up: the bf16 matmul peak of each GPU (the MFU denominator),
 the target alone (rank 0), the drafter alone (rank 1, one resident micro-batch), the transport alone
@@ -81,6 +84,8 @@ COMMUNICATING_DDP = {"drafter_only", "profile"}
 # Sections that need a peer: a 1-rank run records them as skipped.
 TWO_RANKS_ONLY = {"pipeline", "transport"}
 SINGLE_RANK_SKIP = "needs 2 ranks (1 target + 1 drafter); this run has 1"
+# Sections that need a drafter rank: a target-only layout (--drafters 0) records them as skipped.
+DRAFTER_SECTIONS = {"drafter_only", "profile", "pipeline", "transport"}
 # Of a GPU's memory, what the weights of one model may take before it counts as not fitting.
 FITS_FRACTION = 0.9
 DEFAULTS = {  # per shape kind: warm-up and measured iterations
@@ -436,6 +441,8 @@ class Bench:
             return "not selected (--sections)"
         if self.single and name in TWO_RANKS_ONLY:
             return SINGLE_RANK_SKIP
+        if self.layout.drafters == 0 and name in DRAFTER_SECTIONS:
+            return "no drafter rank in this layout (--drafters 0)"
         if name == "target_parallel_check":
             if self.target_parallel == 1:
                 return "no tensor-parallel target (--target-parallel 1)"

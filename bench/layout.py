@@ -2,7 +2,8 @@
 
 Ranks [0, T) are target ranks, in replicas of k consecutive ranks (one tensor-parallel forward
 each, its first rank the leader); ranks [T, T+D) are drafter ranks (DDP among themselves when
-D > 1), as dflash_mp.topology.Topology lays out a training job. A 1-rank run plays both roles in
+D > 1), as dflash_mp.topology.Topology lays out a training job. D = 0 is a target-only run (e.g.
+one TP=2 replica on 2 GPUs: the target sections and colocated). A 1-rank run plays both roles in
 its one process (no pipeline, no transport).
 """
 
@@ -85,7 +86,7 @@ def resolve_layout(world: int, targets: int | None, drafters: int | None, target
     """The layout of `world` ranks from the flags (None: not given); LayoutError if they do not fit.
 
     Defaults: 1 rank plays both roles; otherwise one target replica of `target_parallel` ranks
-    (1 + 1 on 2 ranks) and the remaining ranks drafters.
+    (1 + 1 on 2 ranks) and the remaining ranks drafters (none when the replica takes them all).
     """
     if target_parallel < 1:
         raise LayoutError(f"--target-parallel {target_parallel}: must be >= 1 (1: one rank per target)")
@@ -102,8 +103,11 @@ def resolve_layout(world: int, targets: int | None, drafters: int | None, target
     if drafters is None:
         drafters = world - targets
     problems = []
-    if targets < 1 or drafters < 1:
-        problems.append(f"--targets {targets} --drafters {drafters}: each needs at least one rank")
+    if targets < 1 or drafters < 0:
+        problems.append(
+            f"--targets {targets} --drafters {drafters}: a layout needs at least one target rank "
+            "(and no negative counts)"
+        )
     if targets + drafters != world:
         problems.append(
             f"--targets {targets} + --drafters {drafters} = {targets + drafters} ranks, but "
@@ -126,9 +130,10 @@ def roles_by_rank(world: int) -> dict[str, str]:
 
 
 def rank_of(setup: dict, role: str) -> str:
-    """The first rank (as a JSON key) that ran `role`, from setup.roles (2-rank layout if absent)."""
+    """The first rank (as a JSON key) that ran `role`, from setup.roles (2-rank layout if absent);
+    None when no rank did (a target-only run has no drafter)."""
     roles = setup.get("roles") or roles_by_rank(2)
-    return next(rank for rank, played in roles.items() if role in played.split("+"))
+    return next((rank for rank, played in roles.items() if role in played.split("+")), None)
 
 
 def layout_of(setup: dict) -> dict:

@@ -290,7 +290,7 @@ def print_table(merged: dict) -> None:
             f"{_fmt(sm['target_only']['mfu'], '.1%')}",
         ),
         (
-            f"drafter only (r{rank_of(setup, 'drafter')})",
+            f"drafter only (r{rank_of(setup, 'drafter') or '-'})",
             "samples/s | ms/step | MFU (head as trainable)",
             f"{_fmt(sm['drafter_only']['samples_per_s'])} | {_fmt(sm['drafter_only']['ms_per_step'], '.1f')} | "
             f"{_fmt(sm['drafter_only']['mfu'], '.1%')} ({_fmt(sm['drafter_only']['mfu_head_as_trainable'], '.1%')})",

@@ -42,6 +42,8 @@ def test_default_layouts_are_the_old_ones_and_flags_fill_in_the_rest() -> None:
     assert layout.name == "2t2d (TP=2)" and layout.replicas == 1 and layout.first_drafter == 2
     assert layout.describe()["replicas"] == [[0, 1]] and layout.describe()["drafter_ranks"] == [2, 3]
     assert [layout.is_leader(r) for r in range(4)] == [True, False, False, False]
+    # A replica that takes every rank: a target-only run (target sections and colocated).
+    assert resolve_layout(2, None, None, 2) == Layout(2, 0, 2)
 
 
 @pytest.mark.parametrize(
@@ -49,8 +51,8 @@ def test_default_layouts_are_the_old_ones_and_flags_fill_in_the_rest() -> None:
     [
         (4, 2, 1, 1, "WORLD_SIZE=4"),  # 3 ranks asked for, 4 launched
         (3, 1, 2, 2, "not a multiple of --target-parallel 2"),
-        (2, 2, 0, 2, "each needs at least one rank"),
-        (3, 3, None, 1, "each needs at least one rank"),
+        (2, 0, 2, 1, "at least one target rank"),
+        (3, 4, -1, 1, "no negative counts"),
         (1, 2, 1, 1, "WORLD_SIZE=1"),
         (2, None, None, 0, "must be >= 1"),
     ],
