@@ -116,7 +116,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--shape", choices=sorted(bl.SHAPES), default="qwen3-8b")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--out", default="", help="JSON output (default: bench-<shape>.json)")
+    p.add_argument(
+        "--out",
+        default="",
+        help="JSON output (default: bench-<shape>.json; other layouts: bench-<shape>-<T>t<D>d[-tp<k>].json)",
+    )
     p.add_argument(
         "--targets", type=int, help="target ranks (default: --target-parallel; the rest are drafters)"
     )

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from layout import layout_of, rank_of
 
+# The sections that run the layout itself (colocated is another layout; target_parallel_check
+# holds a one-GPU reference beside the shard; profile watches one step): memory per GPU is theirs.
+LAYOUT_SECTIONS = ("setup", "drafter_only", "target_only", "pipeline", "transport")
+
 
 def _get(d: dict, *keys):
     for key in keys:
@@ -128,7 +132,8 @@ def summarize(merged: dict) -> dict:
         report = _get(s, section, "per_rank", rank, "memory") or {}
         memory[label] = report.get("peak_allocated_gb", report.get("host_peak_rss_gb"))
     gpu_peaks: dict[str, float] = {}
-    for section in s.values():
+    for name in LAYOUT_SECTIONS:
+        section = s.get(name)
         for rank, entry in ((section or {}).get("per_rank") or {}).items():
             report = (entry or {}).get("memory") or {}
             peak = report.get("peak_allocated_gb", report.get("host_peak_rss_gb"))
@@ -205,7 +210,7 @@ def summarize(merged: dict) -> dict:
             target_rate / k if target_rate else None, drafter_rate, colocated_per_gpu, projection
         ),
         "peak_memory_gb": memory,
-        # Every rank's highest peak over the sections it ran.
+        # Every rank's highest peak over the layout's own sections (LAYOUT_SECTIONS).
         "peak_memory_gb_per_gpu": gpu_peaks,
         "peak_memory_kind": "torch.cuda.max_memory_allocated"
         if merged["setup"]["device"] == "cuda"

@@ -16,6 +16,7 @@ import torch
 from transformers import LlamaConfig
 
 from dflash_mp.models.drafter import build_drafter_config
+from dflash_mp.models.tensor_parallel import layer_plan
 from dflash_mp.plan.measured import read_bench
 from tests.conftest import REPO
 from tests.test_bench import _positive, run_bench
@@ -71,7 +72,7 @@ def test_llama3_70b_shape_is_llama_3_70b_and_its_drafter_follows_its_hidden_size
     assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (80, 8192, 28672)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (64, 8, 128)
     assert config.vocab_size == 128256 and config.rope_parameters["rope_theta"] == 500000.0
-    assert "layers.*.mlp.down_proj" in config.base_model_tp_plan
+    assert set(layer_plan(config)) >= {"self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"}
     assert (shape.seq_len, shape.num_anchors, shape.block_size, shape.draft_layers) == (3072, 512, 16, 5)
     drafter = build_drafter_config(
         config, shape.draft_layers, shape.layer_ids, shape.block_size, shape.vocab - 1
@@ -207,3 +208,28 @@ def test_a_layout_that_does_not_match_the_ranks_fails_before_any_work(tmp_path) 
     proc, result = run_bench(tmp_path, "--targets", "1", "--target-parallel", "2", nproc=2, timeout=60)
     assert proc.returncode != 0 and result is None
     assert "--targets 1 is not a multiple of --target-parallel 2" in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_a_drafter_failing_among_several_neither_hangs_the_others_nor_loses_the_json(tmp_path) -> None:
+    # Rank 2 fails at its third pipeline micro-batch: rank 1 waits in the drafters' all-reduce and
+    # rank 0 on its sends; the watchdog of each sees a peer that failed and ends them.
+    proc, result = run_bench(
+        tmp_path,
+        "--drafters",
+        "2",
+        "--sections",
+        "setup,drafter_only,target_only,pipeline",
+        "--fault",
+        "pipeline:2:raise:3",
+        "--peer-grace",
+        "2",
+        nproc=3,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert result is not None, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    sections = result["sections"]
+    assert sections["drafter_only"]["status"] == "ok"
+    assert sections["pipeline"]["status"] == "error"
+    assert "injected fault" in sections["pipeline"]["errors"]["2"]
