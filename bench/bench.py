@@ -26,9 +26,10 @@ synthetic reader, an in-memory random target and drafter), and the colocated bas
 drafter in every process, DDP over both). Models are random, built directly on the device.
 On demand (`--sections setup,profile`): a torch.profiler breakdown of a drafter step by phase.
 
-This file is the runner (arguments, rank layout, fault injection, watchdog, per-rank partial JSON,
-the exchange after every section); each section is a module of bench/sections/, the headline
-numbers and the table are bench/summary.py, the helpers bench/benchlib/.
+This file is the runner (rank roles, fault injection, watchdog, per-rank partial JSON, the
+exchange after every section); the flags are bench/options.py, the layouts bench/layout.py, each
+section is a module of bench/sections/, the headline numbers and the table are bench/summary.py,
+the helpers bench/benchlib/.
 
 Every section runs under try/except and a watchdog: an error is recorded in the JSON, a rank
 blocked on a failed or hung peer gives up after a timeout, and the JSON is rewritten after every
@@ -65,8 +66,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import benchlib as bl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from layout import ROLES, Layout, LayoutError, resolve_layout  # noqa: E402
-from sections import DEFAULT_SECTIONS, SECTIONS  # noqa: E402
+from layout import ROLES, Layout  # noqa: E402
+from options import default_out, layout_from_env, parse_args  # noqa: E402
+from sections import SECTIONS  # noqa: E402
 from summary import print_table, summarize  # noqa: E402
 
 from dflash_mp.distributed import init_job  # noqa: E402
@@ -88,124 +90,6 @@ SINGLE_RANK_SKIP = "needs 2 ranks (1 target + 1 drafter); this run has 1"
 DRAFTER_SECTIONS = {"drafter_only", "profile", "pipeline", "transport"}
 # Of a GPU's memory, what the weights of one model may take before it counts as not fitting.
 FITS_FRACTION = 0.9
-DEFAULTS = {  # per shape kind: warm-up and measured iterations
-    "gpu": dict(
-        warmup=3,
-        iters=20,
-        colocated_iters=10,
-        pipeline_steps=30,
-        transport_iters=50,
-        matmul_iters=50,
-        profile_steps=3,
-    ),
-    "tiny": dict(
-        warmup=2,
-        iters=8,
-        colocated_iters=4,
-        pipeline_steps=8,
-        transport_iters=8,
-        matmul_iters=5,
-        profile_steps=2,
-    ),
-}
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
-    p.add_argument("--shape", choices=sorted(bl.SHAPES), default="qwen3-8b")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument(
-        "--out",
-        default="",
-        help="JSON output (default: bench-<shape>.json; other layouts: bench-<shape>-<T>t<D>d[-tp<k>].json)",
-    )
-    p.add_argument(
-        "--targets", type=int, help="target ranks (default: --target-parallel; the rest are drafters)"
-    )
-    p.add_argument("--drafters", type=int, help="drafter ranks (default: WORLD_SIZE - targets)")
-    p.add_argument(
-        "--target-parallel",
-        type=int,
-        default=1,
-        help="target ranks per tensor-parallel replica (divides --targets)",
-    )
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--warmup", type=int, help="warm-up iterations/steps of every section (>= 1)")
-    p.add_argument("--iters", type=int, help="measured iterations: target only, drafter only")
-    p.add_argument("--colocated-iters", type=int, help="measured steps of the colocated baseline")
-    p.add_argument("--pipeline-steps", type=int, help="measured optimizer steps of the pipeline")
-    p.add_argument("--transport-iters", type=int, help="measured messages of the transport section")
-    p.add_argument("--matmul-iters", type=int, help="measured matmuls of the peak")
-    p.add_argument("--profile-steps", type=int, help="profiled drafter steps of the profile section")
-    p.add_argument("--matmul-n", type=int, help="matmul side (default: 8192 on GPU shapes)")
-    p.add_argument(
-        "--sections",
-        default=",".join(DEFAULT_SECTIONS),
-        help=f"comma list of {', '.join(SECTIONS)} (default: all but profile; "
-        "target_parallel_check runs with --target-parallel > 1)",
-    )
-    p.add_argument(
-        "--timeout-scale", type=float, default=1.0, help="multiplies every section's watchdog timeout"
-    )
-    p.add_argument(
-        "--time-budget", type=float, default=420.0, help="start no section after this many s (0: none)"
-    )
-    p.add_argument(
-        "--peer-grace", type=float, default=30.0, help="s to wait on a peer that reported a failure"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=int, help="draft block size (default: the shape's, 16 on GPU shapes)")
-    p.add_argument(
-        "--override", action="append", default=[], help="Hydra override for the config (repeatable)"
-    )
-    p.add_argument(
-        "--fault",
-        default="",
-        help="testing aid: SECTION:RANK:raise|hang[:CALL] fails that rank there (pipeline: at its CALL-th micro-batch)",
-    )
-    args = p.parse_args(argv)
-    defaults = DEFAULTS["tiny" if args.shape == "tiny" else "gpu"]
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.warmup = max(1, args.warmup)
-    for key in (
-        "iters",
-        "colocated_iters",
-        "pipeline_steps",
-        "transport_iters",
-        "matmul_iters",
-        "profile_steps",
-    ):
-        setattr(args, key, max(1, getattr(args, key)))
-    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = sorted(set(args.sections) - set(SECTIONS))
-    if unknown:
-        p.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
-    if args.fault:
-        parts = args.fault.split(":")
-        if len(parts) not in (3, 4) or parts[0] not in SECTIONS or parts[2] not in ("raise", "hang"):
-            p.error("--fault is SECTION:RANK:raise|hang[:CALL]")
-        args.fault = (parts[0], int(parts[1]), parts[2], int(parts[3]) if len(parts) == 4 else 0)
-    return args
-
-
-def layout_from_env(args: argparse.Namespace) -> Layout:
-    """The layout of this torchrun job; SystemExit naming the flags when it does not fit WORLD_SIZE."""
-    world = int(os.environ.get("WORLD_SIZE", "0"))
-    if world < 1:
-        raise SystemExit(
-            "bench.py: WORLD_SIZE is unset: launch it with torchrun --nproc-per-node 2 (1 target + "
-            "1 drafter; --standalone --nproc-per-node 1 on a single GPU), or as many ranks as "
-            "--targets + --drafters"
-        )
-    try:
-        return resolve_layout(world, args.targets, args.drafters, args.target_parallel)
-    except LayoutError as e:
-        raise SystemExit(f"bench.py: {e}") from None
 
 
 class Bench:
@@ -570,20 +454,12 @@ def _nccl_version() -> str | None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv, __doc__)
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     if on_cpu and args.shape != "tiny":
         raise SystemExit(f"bench.py: --shape {args.shape} needs GPUs; on CPU use --shape tiny --device cpu")
     layout = layout_from_env(args)
-    # Default name: the shape, and the layout unless it is the 1 + 1 (or 1-rank) default.
-    default_layout = layout.single or (layout.targets, layout.drafters, layout.target_parallel) == (1, 1, 1)
-    suffix = (
-        ""
-        if default_layout
-        else f"-{layout.targets}t{layout.drafters}d"
-        + (f"-tp{layout.target_parallel}" if layout.target_parallel > 1 else "")
-    )
-    args.out = args.out or f"bench-{args.shape}{suffix}.json"
+    args.out = args.out or default_out(args.shape, layout)
     bench = Bench(args, layout)
     roles = "+".join(role for role in ROLES if role in bench.roles)
     bench.log(
