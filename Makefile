@@ -12,8 +12,10 @@ RUN_DIR ?=
 ARGS ?=
 SHAPE ?= qwen3-8b
 DEVICE ?= auto
-BENCH_OUT ?= bench-$(SHAPE).json
-# 2: 1 target + 1 drafter rank (every section); 1: one GPU plays both roles (no pipeline/transport).
+# Empty: bench.py names it bench-<shape>[-<T>t<D>d[-tp<k>]].json (the --shape and layout it ran).
+BENCH_OUT ?=
+# 2: 1 target + 1 drafter rank (every section); 1: one GPU plays both roles (no pipeline/transport);
+# N: the layout in BENCH_ARGS (--targets T --drafters D --target-parallel k, T + D = N).
 BENCH_RANKS ?= 2
 GPUS ?= 8
 BENCH ?= bench/results/h200x2-qwen3-8b.json
@@ -68,9 +70,9 @@ stop: setup ## Stop a job (checkpoint first, SIGKILL after a timeout): RUN_DIR=p
 doctor: setup ## Preflight checks for a config; ARGS="key=value ..."
 	$(PY) -m dflash_mp.launch doctor $(ARGS)
 
-bench: setup ## GPU benchmark (SHAPE=qwen3-8b|qwen3-4b|tiny DEVICE=auto|cpu BENCH_RANKS=2|1 BENCH_OUT=path BENCH_ARGS=...; profile by phase: BENCH_ARGS="--sections setup,profile")
+bench: setup ## GPU benchmark (SHAPE=qwen3-8b|qwen3-4b|llama3-70b|tiny DEVICE=auto|cpu BENCH_RANKS=2|1|N BENCH_OUT=path BENCH_ARGS="--targets T --drafters D --target-parallel k ..."; profile by phase: BENCH_ARGS="--sections setup,profile")
 	NCCL_NVLS_ENABLE=0 $(PY) -m torch.distributed.run --standalone --nproc-per-node $(BENCH_RANKS) bench/bench.py \
-		--shape $(SHAPE) --device $(DEVICE) --out $(BENCH_OUT) $(BENCH_ARGS)
+		--shape $(SHAPE) --device $(DEVICE) $(if $(BENCH_OUT),--out $(BENCH_OUT)) $(BENCH_ARGS)
 
 plan: setup ## Best layout for GPUS=8 from a benchmark JSON: BENCH=path [TARGET=hf-dir] ARGS=--json
 	$(PY) -m dflash_mp.plan --gpus $(GPUS) --bench $(BENCH) $(if $(TARGET),--target $(TARGET)) $(ARGS)

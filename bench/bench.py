@@ -1,9 +1,23 @@
-"""GPU-performance benchmark of dflash_mp (issue 6): 1 target rank + 1 drafter rank, or 1 rank for both.
+"""GPU-performance benchmark of dflash_mp (issue 6): T target ranks (in tensor-parallel replicas of
+k) + D drafter ranks, by default 1 + 1 on 2 ranks, or 1 rank for both roles.
 
     torchrun --nproc-per-node 2 bench/bench.py --shape qwen3-8b --out bench.json    # 2 GPUs
     torchrun --nproc-per-node 2 bench/bench.py --shape tiny --device cpu            # CPU, gloo
     torchrun --standalone --nproc-per-node 1 bench/bench.py --shape qwen3-8b --out bench.json  # 1 GPU
     torchrun --standalone --nproc-per-node 1 bench/bench.py --shape tiny --device cpu          # CPU, 1 rank
+    torchrun --standalone --nproc-per-node 4 bench/bench.py --shape llama3-70b \
+        --targets 2 --target-parallel 2 --drafters 2                    # one TP=2 replica, 2 drafters
+
+Layouts (`--targets T --drafters D --target-parallel k`, T + D = WORLD_SIZE, k divides T; the
+layout of dflash_mp.topology.Topology): target_only runs on every target rank (a replica's ranks
+run each forward together; reported per replica, rank 0's replica at the top), drafter_only on
+every drafter rank (DDP over the drafters when D > 1; the first drafter's at the top), transport
+between rank 0 and the first drafter, pipeline over the whole layout (run_target / run_drafter),
+colocated over every rank (both roles in each, DDP over all). With k > 1, target_parallel_check
+compares the replica's hidden states and throughput with a one-GPU forward of the same weights.
+--drafters 0 is a target-only run (`--target-parallel 2` on 2 ranks: one TP=2 replica, its check,
+and colocated x2). Sections that need a whole target on one GPU (target_parallel_check, colocated)
+are skipped when its weights do not fit; a target shard that fits no GPU is refused at start.
 
 Measures in one run, each after warm-up: the bf16 matmul peak of each GPU (the MFU denominator),
 the target alone (rank 0), the drafter alone (rank 1, one resident micro-batch), the transport alone
@@ -12,9 +26,10 @@ synthetic reader, an in-memory random target and drafter), and the colocated bas
 drafter in every process, DDP over both). Models are random, built directly on the device.
 On demand (`--sections setup,profile`): a torch.profiler breakdown of a drafter step by phase.
 
-This file is the runner (arguments, rank layout, fault injection, watchdog, per-rank partial JSON,
-the exchange after every section); each section is a module of bench/sections/, the headline
-numbers and the table are bench/summary.py, the helpers bench/benchlib/.
+This file is the runner (rank roles, fault injection, watchdog, per-rank partial JSON, the
+exchange after every section); the flags are bench/options.py, the layouts bench/layout.py, each
+section is a module of bench/sections/, the headline numbers and the table are bench/summary.py,
+the helpers bench/benchlib/.
 
 Every section runs under try/except and a watchdog: an error is recorded in the JSON, a rank
 blocked on a failed or hung peer gives up after a timeout, and the JSON is rewritten after every
@@ -51,11 +66,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import benchlib as bl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from layout import ROLES, roles_by_rank  # noqa: E402
-from sections import DEFAULT_SECTIONS, SECTIONS  # noqa: E402
+from layout import ROLES, Layout  # noqa: E402
+from options import default_out, layout_from_env, parse_args  # noqa: E402
+from sections import SECTIONS  # noqa: E402
 from summary import print_table, summarize  # noqa: E402
 
 from dflash_mp.distributed import init_job  # noqa: E402
+from dflash_mp.target_parallel import replica_mesh  # noqa: E402
 from dflash_mp.topology import Topology  # noqa: E402
 from dflash_mp.trainer import DrafterTrainer, resolve_precision  # noqa: E402
 
@@ -63,116 +80,36 @@ SCHEMA = "dflash_mp.bench/1"
 # Sections whose ranks talk to each other (besides the exchange after every section): after a
 # failure in one of them, point-to-point operations may be left unmatched, so later ones are skipped.
 COMMUNICATING = {"pipeline", "transport", "colocated"}
+# With tensor-parallel targets / several drafters these talk too (the replica's all-reduces, DDP).
+COMMUNICATING_TP = {"target_only", "target_parallel_check"}
+COMMUNICATING_DDP = {"drafter_only", "profile"}
 # Sections that need a peer: a 1-rank run records them as skipped.
 TWO_RANKS_ONLY = {"pipeline", "transport"}
 SINGLE_RANK_SKIP = "needs 2 ranks (1 target + 1 drafter); this run has 1"
-DEFAULTS = {  # per shape kind: warm-up and measured iterations
-    "gpu": dict(
-        warmup=3,
-        iters=20,
-        colocated_iters=10,
-        pipeline_steps=30,
-        transport_iters=50,
-        matmul_iters=50,
-        profile_steps=3,
-    ),
-    "tiny": dict(
-        warmup=2,
-        iters=8,
-        colocated_iters=4,
-        pipeline_steps=8,
-        transport_iters=8,
-        matmul_iters=5,
-        profile_steps=2,
-    ),
-}
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
-    p.add_argument("--shape", choices=sorted(bl.SHAPES), default="qwen3-8b")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--out", default="", help="JSON output (default: bench-<shape>.json)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--warmup", type=int, help="warm-up iterations/steps of every section (>= 1)")
-    p.add_argument("--iters", type=int, help="measured iterations: target only, drafter only")
-    p.add_argument("--colocated-iters", type=int, help="measured steps of the colocated baseline")
-    p.add_argument("--pipeline-steps", type=int, help="measured optimizer steps of the pipeline")
-    p.add_argument("--transport-iters", type=int, help="measured messages of the transport section")
-    p.add_argument("--matmul-iters", type=int, help="measured matmuls of the peak")
-    p.add_argument("--profile-steps", type=int, help="profiled drafter steps of the profile section")
-    p.add_argument("--matmul-n", type=int, help="matmul side (default: 8192 on GPU shapes)")
-    p.add_argument(
-        "--sections",
-        default=",".join(DEFAULT_SECTIONS),
-        help=f"comma list of {', '.join(SECTIONS)} (default: all but profile)",
-    )
-    p.add_argument(
-        "--timeout-scale", type=float, default=1.0, help="multiplies every section's watchdog timeout"
-    )
-    p.add_argument(
-        "--time-budget", type=float, default=420.0, help="start no section after this many s (0: none)"
-    )
-    p.add_argument(
-        "--peer-grace", type=float, default=30.0, help="s to wait on a peer that reported a failure"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=int, help="draft block size (default: the shape's, 16 on GPU shapes)")
-    p.add_argument(
-        "--override", action="append", default=[], help="Hydra override for the config (repeatable)"
-    )
-    p.add_argument(
-        "--fault",
-        default="",
-        help="testing aid: SECTION:RANK:raise|hang[:CALL] fails that rank there (pipeline: at its CALL-th micro-batch)",
-    )
-    args = p.parse_args(argv)
-    defaults = DEFAULTS["tiny" if args.shape == "tiny" else "gpu"]
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.warmup = max(1, args.warmup)
-    for key in (
-        "iters",
-        "colocated_iters",
-        "pipeline_steps",
-        "transport_iters",
-        "matmul_iters",
-        "profile_steps",
-    ):
-        setattr(args, key, max(1, getattr(args, key)))
-    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = sorted(set(args.sections) - set(SECTIONS))
-    if unknown:
-        p.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
-    args.out = args.out or f"bench-{args.shape}.json"
-    if args.fault:
-        parts = args.fault.split(":")
-        if len(parts) not in (3, 4) or parts[0] not in SECTIONS or parts[2] not in ("raise", "hang"):
-            p.error("--fault is SECTION:RANK:raise|hang[:CALL]")
-        args.fault = (parts[0], int(parts[1]), parts[2], int(parts[3]) if len(parts) == 4 else 0)
-    return args
+# Sections that need a drafter rank: a target-only layout (--drafters 0) records them as skipped.
+DRAFTER_SECTIONS = {"drafter_only", "profile", "pipeline", "transport"}
+# Of a GPU's memory, what the weights of one model may take before it counts as not fitting.
+FITS_FRACTION = 0.9
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, layout: Layout) -> None:
         self.args = args
         self.shape = bl.SHAPES[args.shape]
         if args.block_size:
             self.shape = dataclasses.replace(self.shape, block_size=args.block_size)
-        self.topology = Topology(targets=1, drafters=1, grad_accum=args.grad_accum)
-        world = int(os.environ.get("WORLD_SIZE", "0"))
-        if world not in (1, 2):
-            raise SystemExit(
-                f"bench.py runs on 2 ranks (1 target + 1 drafter) or on 1 rank (both roles, no "
-                f"pipeline/transport); WORLD_SIZE={world or 'unset'}: launch it with "
-                "torchrun --nproc-per-node 2 (or --standalone --nproc-per-node 1 on a single GPU)"
-            )
+        self.layout = layout
+        # One rank for both roles keeps the 1 + 1 topology (its trainer runs without DDP).
+        self.topology = Topology(
+            targets=layout.targets,
+            drafters=layout.drafters,
+            grad_accum=args.grad_accum,
+            target_parallel=layout.target_parallel,
+        )
+        world = layout.world
         self.world = world
-        self.single = world == 1
+        self.single = layout.single
+        self.target_parallel = layout.target_parallel
         # A previous run's partial files would read as a failed peer: each rank removes its own
         # before the rendezvous, so both are gone once init_job returns.
         self.partial_paths = [f"{args.out}.rank{r}.partial.json" for r in range(world)]
@@ -182,14 +119,36 @@ class Bench:
         # One rank plays both roles: no drafter group, so its trainer runs without DDP.
         self.job = init_job(self.topology, args.device, drafter_group=not self.single)
         self.rank, self.device = self.job.rank, self.job.device
-        # The roles this process plays: one per rank on 2 ranks, both on 1.
-        self.roles = set(ROLES) if self.single else {ROLES[self.rank]}
+        # The roles this process plays: one per rank, both on 1 rank.
+        self.roles = layout.roles_of(self.rank)
+        # This target rank's replica as a DeviceMesh (tensor-parallel targets only).
+        self.mesh = replica_mesh(self.job.replica_group, self.device) if "target" in self.roles else None
         self.process_start = PROCESS_START
         self.startup_s = time.perf_counter() - PROCESS_START
-        self.cfg = bl.bench_config(self.shape, self.device, args.micro_batch, args.grad_accum, args.override)
+        self.cfg = bl.bench_config(
+            self.shape,
+            self.device,
+            args.micro_batch,
+            args.grad_accum,
+            args.override,
+            targets=layout.targets,
+            drafters=layout.drafters,
+            target_parallel=layout.target_parallel,
+        )
         self.dtype, self.attention, self.compiled = resolve_precision(self.cfg, self.device)
+        self.gpu_memory_bytes = (
+            torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
+        )
+        self._check_target_fits()
         self.B, self.A, self.S = args.micro_batch, args.grad_accum, self.shape.seq_len
         self.feature_size = self.shape.hidden * len(self.shape.layer_ids)
+        self.first_drafter = layout.first_drafter
+        communicating = set(COMMUNICATING)
+        if self.target_parallel > 1:
+            communicating |= COMMUNICATING_TP
+        if layout.drafters > 1:
+            communicating |= COMMUNICATING_DDP
+        self.communicating = communicating
         self.reader = bl.SyntheticReader(self.shape, self.B, seed=args.seed)
         self.partial: dict = {"rank": self.rank, "sections": {}, "failed": None}
         self.merged: dict = self._header()
@@ -205,6 +164,30 @@ class Bench:
         self.watchdog = bl.Watchdog(self._peer_state, self._abort, grace_s=args.peer_grace)
 
     # ------------------------------------------------------------------ plumbing
+
+    def _check_target_fits(self) -> None:
+        """A target shard larger than a GPU fails here, naming the fix, before any model is built."""
+        needed = self.shape.target_weight_bytes(self.dtype.itemsize, self.target_parallel)
+        if self.gpu_memory_bytes and needed > FITS_FRACTION * self.gpu_memory_bytes:
+            fitting = self.shape.target_weight_bytes(self.dtype.itemsize, 2 * self.target_parallel)
+            raise SystemExit(
+                f"bench.py: --shape {self.args.shape}: one target rank would hold {needed / bl.GB:.0f} GB "
+                f"of weights at --target-parallel {self.target_parallel}, more than "
+                f"{FITS_FRACTION:.0%} of a GPU ({self.gpu_memory_bytes / bl.GB:.0f} GB): raise "
+                f"--target-parallel (at {2 * self.target_parallel}: {fitting / bl.GB:.0f} GB per rank) "
+                "and --targets with it"
+            )
+
+    def one_gpu_target_problem(self, beside: int = 0) -> str | None:
+        """Why a whole (TP=1) target does not fit one GPU next to `beside` bytes; None if it does."""
+        whole = self.shape.target_weight_bytes(self.dtype.itemsize)
+        if self.gpu_memory_bytes and whole + beside > FITS_FRACTION * self.gpu_memory_bytes:
+            extra = f" next to {beside / bl.GB:.0f} GB already resident" if beside else ""
+            return (
+                f"target does not fit one GPU: its weights take {whole / bl.GB:.0f} GB{extra}, "
+                f"the GPU has {self.gpu_memory_bytes / bl.GB:.0f} GB"
+            )
+        return None
 
     def fault_at(self, section: str):
         """`--fault`: a callable(call) that raises or hangs at the chosen section, rank and call."""
@@ -233,7 +216,10 @@ class Bench:
                 "device": self.device.type,
                 "device_name": torch.cuda.get_device_name(self.device) if cuda else "cpu",
                 "world_size": self.world,
-                "roles": roles_by_rank(self.world),
+                "roles": self.layout.roles_by_rank(),
+                "layout": self.layout.describe(),
+                # dflash_mp.plan reads it: target_only's rate is that of one replica of this many GPUs.
+                "target_parallel": self.target_parallel,
                 "micro_batch": self.B,
                 "grad_accum": self.A,
                 "hidden_dtype": str(self.dtype).replace("torch.", ""),
@@ -255,10 +241,26 @@ class Bench:
     def _write_partial(self) -> None:
         bl.write_json(self.partial_paths[self.rank], self.partial)
 
+    def _peers(self) -> list[dict]:
+        return [
+            state
+            for rank, path in enumerate(self.partial_paths)
+            if rank != self.rank and (state := bl.read_json(path)) is not None
+        ]
+
     def _peer_state(self) -> dict | None:
+        """The other ranks' state as the watchdog reads one peer: exited if any exited; failed in
+        the phase being watched if any did (else the first failure seen)."""
         if self.single:  # no peer: the watchdog only enforces deadlines
             return None
-        return bl.read_json(self.partial_paths[1 - self.rank])
+        peers = self._peers()
+        exited = [p for p in peers if p.get("exited")]
+        failures = [p["failed"] for p in peers if p.get("failed")]
+        phase = self.watchdog.phase if hasattr(self, "watchdog") else None
+        failed = next((f for f in failures if f.get("phase") == phase), failures[0] if failures else None)
+        if exited and failed is None:
+            failed = exited[0].get("failed")
+        return {"exited": bool(exited), "failed": failed}
 
     def _merge(self, name: str, records: list[dict]) -> dict:
         """One section from the ranks' records (identical on every rank)."""
@@ -293,17 +295,12 @@ class Bench:
             self.partial["exited"] = True
             self._write_partial()
             if self.rank == 0:
-                peer = self._peer_state() or {}
+                states = [self.partial, *self._peers()]
                 for section_name in SECTIONS:
                     if section_name in self.merged["sections"]:
                         continue
                     records = [
-                        rec
-                        for rec in (
-                            self.partial["sections"].get(section_name),
-                            peer.get("sections", {}).get(section_name),
-                        )
-                        if rec
+                        rec for state in states if (rec := state.get("sections", {}).get(section_name))
                     ]
                     if records:
                         self.merged["sections"][section_name] = self._merge(section_name, records)
@@ -332,15 +329,28 @@ class Bench:
             return "not selected (--sections)"
         if self.single and name in TWO_RANKS_ONLY:
             return SINGLE_RANK_SKIP
+        if self.layout.drafters == 0 and name in DRAFTER_SECTIONS:
+            return "no drafter rank in this layout (--drafters 0)"
+        if name == "target_parallel_check":
+            if self.target_parallel == 1:
+                return "no tensor-parallel target (--target-parallel 1)"
+            # The leader holds its shard and builds the whole target beside it.
+            shard = self.shape.target_weight_bytes(self.dtype.itemsize, self.target_parallel)
+            problem = self.one_gpu_target_problem(beside=shard)
+            if problem:
+                return problem
+        if name == "colocated" and (problem := self.one_gpu_target_problem()):
+            return problem
         budget = self.args.time_budget
         if budget > 0 and self.process_elapsed > budget:
             return f"time budget: {self.process_elapsed:.0f}s elapsed > --time-budget {budget:.0f}s"
-        if name in COMMUNICATING and self.comm_failed:
+        if name in self.communicating and self.comm_failed:
             return "an earlier communicating section failed (unmatched point-to-point operations)"
         needs = {
             "drafter_only": ["setup"],
             "target_only": ["setup"],
             "profile": ["setup"],
+            "target_parallel_check": ["setup"],
             "pipeline": ["setup", "drafter_only", "target_only"],
         }.get(name, [])
         missing = [n for n in needs if not ok(n)]
@@ -394,7 +404,7 @@ class Bench:
         section = self._merge(name, records)
         self.merged["sections"][name] = section
         self.process_elapsed = max(r["process_elapsed_s"] for r in records)
-        if name in COMMUNICATING and section["status"] != "ok":
+        if name in self.communicating and section["status"] != "ok":
             self.comm_failed = True
         if self.rank == 0:
             self._finalize_json()
@@ -430,8 +440,9 @@ class Bench:
             embed_and_head=embed_and_head,
         )
 
-    def mfu(self, flops_per_s: float) -> float | None:
-        return flops_per_s / self.peak_flops if self.peak_flops else None
+    def mfu(self, flops_per_s: float, gpus: int = 1) -> float | None:
+        """Useful FLOP/s over the peak of `gpus` GPUs like this rank's (a replica: target_parallel)."""
+        return flops_per_s / (gpus * self.peak_flops) if self.peak_flops else None
 
 
 def _nccl_version() -> str | None:
@@ -443,14 +454,17 @@ def _nccl_version() -> str | None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv, __doc__)
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     if on_cpu and args.shape != "tiny":
         raise SystemExit(f"bench.py: --shape {args.shape} needs GPUs; on CPU use --shape tiny --device cpu")
-    bench = Bench(args)
+    layout = layout_from_env(args)
+    args.out = args.out or default_out(args.shape, layout)
+    bench = Bench(args, layout)
     roles = "+".join(role for role in ROLES if role in bench.roles)
     bench.log(
-        f"{bench.device} rank {bench.rank} ({roles}), shape {args.shape}, startup {bench.startup_s:.1f}s"
+        f"{bench.device} rank {bench.rank} ({roles}) of layout {bench.layout.name}, shape {args.shape}, "
+        f"startup {bench.startup_s:.1f}s"
     )
     for name in SECTIONS:
         bench.run_section(name)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from layout import rank_of
+from layout import layout_of, rank_of
+
+# The sections that run the layout itself (colocated is another layout; target_parallel_check
+# holds a one-GPU reference beside the shard; profile watches one step): memory per GPU is theirs.
+LAYOUT_SECTIONS = ("setup", "drafter_only", "target_only", "pipeline", "transport")
 
 
 def _get(d: dict, *keys):
@@ -35,9 +39,41 @@ def per_gpu_rates(
     }
 
 
+def _stage_total(section: dict | None, key: str, rate: float | None, count: int) -> float | None:
+    """Samples/s of all `count` replicas (target) or drafter ranks: the sum of what each reported
+    under `key` (per_replica / per_rank), or `count` x the top-level rate (JSONs before layouts)."""
+    reported = [
+        v["samples_per_s"] for v in ((section or {}).get(key) or {}).values() if "samples_per_s" in (v or {})
+    ]
+    if len(reported) == count:
+        return sum(reported)
+    return rate * count if rate else None
+
+
+def projection_of_8(target_rate: float, drafter_rate: float, target_parallel: int = 1) -> dict:
+    """Idealised (no DDP or transport cost): T target GPUs (replicas of `target_parallel`, each at
+    `target_rate`) + 8-T drafters, vs 8 colocated GPUs (TP=1: the replica's rate / its GPUs)."""
+    k = target_parallel
+    splits = [
+        {"targets": t, "drafters": 8 - t, "samples_per_s": min(t // k * target_rate, (8 - t) * drafter_rate)}
+        for t in range(k, 8, k)
+    ]
+    best = max(splits, key=lambda x: x["samples_per_s"])
+    return {
+        "note": "standalone rates x GPUs, no communication cost: an upper bound to compare splits",
+        "best_split": f"{best['targets']}t{best['drafters']}d",
+        "best_samples_per_s": best["samples_per_s"],
+        "colocated_8_gpus_samples_per_s": 8 / (k / target_rate + 1 / drafter_rate),
+        "target_parallel": k,
+        "splits": splits,
+    }
+
+
 def summarize(merged: dict) -> dict:
     """Headline numbers (a pure function of the sections; None where a section did not run)."""
     s = merged["sections"]
+    layout = layout_of(merged["setup"])
+    k, replicas, drafters = layout["target_parallel"], len(layout["replicas"]), layout["drafters"]
     peaks = {
         r: v.get("tflops")
         for r, v in (_get(s, "matmul_peak", "per_rank") or {}).items()
@@ -59,12 +95,16 @@ def summarize(merged: dict) -> dict:
         s["colocated"]["samples_per_s_total"] = colocated_rate
         s["colocated"]["tokens_per_s_total"] = colocated_rate * merged["shape"]["seq_len"]
         s["colocated"]["samples_per_s_per_gpu"] = colocated_per_gpu
-    bottleneck = min(target_rate, drafter_rate) if target_rate and drafter_rate else None
+    # The layout's stage capacities: every replica's rate and every drafter rank's, summed.
+    targets_total = _stage_total(s.get("target_only"), "per_replica", target_rate, replicas)
+    drafters_total = _stage_total(s.get("drafter_only"), "per_rank", drafter_rate, drafters)
+    bottleneck = min(targets_total, drafters_total) if targets_total and drafters_total else None
     efficiency = pipeline_rate / bottleneck if pipeline_rate and bottleneck else None
     if efficiency is not None:
         s["pipeline"]["efficiency"] = efficiency
         s["pipeline"]["efficiency_definition"] = (
-            "pipeline samples/s / min(target-only, drafter-only samples/s)"
+            "pipeline samples/s / min(target-only samples/s of all replicas, drafter-only samples/s "
+            "of all drafter ranks)"
         )
     target_flops = _get(s, "setup", "target", "flops_per_seq")
     drafter_flops_mb = _get(s, "setup", "drafter", "flops_per_micro_batch")
@@ -91,6 +131,19 @@ def summarize(merged: dict) -> dict:
     ):
         report = _get(s, section, "per_rank", rank, "memory") or {}
         memory[label] = report.get("peak_allocated_gb", report.get("host_peak_rss_gb"))
+    gpu_peaks: dict[str, float] = {}
+    for name in LAYOUT_SECTIONS:
+        section = s.get(name)
+        for rank, entry in ((section or {}).get("per_rank") or {}).items():
+            report = (entry or {}).get("memory") or {}
+            peak = report.get("peak_allocated_gb", report.get("host_peak_rss_gb"))
+            if peak is not None:
+                gpu_peaks[rank] = max(gpu_peaks.get(rank, 0.0), peak)
+    pipeline_recompiles = {
+        rank: entry.get("recompiles_after_warmup", entry.get("target_recompiles_after_warmup"))
+        for rank, entry in (_get(s, "pipeline", "per_rank") or {}).items()
+        if "recompiles_after_warmup" in entry or "target_recompiles_after_warmup" in entry
+    }
     recompiles = {
         "drafter_only": _get(s, "drafter_only", "recompiles_after_warmup"),
         "target_only": _get(s, "target_only", "recompiles_after_warmup"),
@@ -98,22 +151,10 @@ def summarize(merged: dict) -> dict:
         "colocated_rank0": _get(s, "colocated", "per_rank", "0", "recompiles_after_warmup"),
         "colocated_rank1": _get(s, "colocated", "per_rank", "1", "recompiles_after_warmup"),
     }
-    projection = None
-    if target_rate and drafter_rate:
-        # Idealised (no DDP or transport cost): T targets + D drafters on 8 GPUs, vs 8 colocated GPUs.
-        splits = [
-            {"targets": t, "drafters": 8 - t, "samples_per_s": min(t * target_rate, (8 - t) * drafter_rate)}
-            for t in range(1, 8)
-        ]
-        best = max(splits, key=lambda x: x["samples_per_s"])
-        projection = {
-            "note": "standalone rates x GPUs, no communication cost: an upper bound to compare splits",
-            "best_split": f"{best['targets']}t{best['drafters']}d",
-            "best_samples_per_s": best["samples_per_s"],
-            "colocated_8_gpus_samples_per_s": 8 / (1 / target_rate + 1 / drafter_rate),
-            "splits": splits,
-        }
+    projection = projection_of_8(target_rate, drafter_rate, k) if target_rate and drafter_rate else None
+    check = s.get("target_parallel_check") or {}
     summary = {
+        "layout": layout["name"],
         "matmul_peak_tflops": peaks,
         "target_only": {
             "samples_per_s": target_rate,
@@ -138,7 +179,9 @@ def summarize(merged: dict) -> dict:
             "efficiency": efficiency,
             "bottleneck": None
             if not bottleneck
-            else ("target" if target_rate <= drafter_rate else "drafter"),
+            else ("target" if targets_total <= drafters_total else "drafter"),
+            "targets_samples_per_s": targets_total,
+            "drafters_samples_per_s": drafters_total,
             "system_mfu": system_mfu(pipeline_rate),
             "target_busy_frac": _get(s, "pipeline", "target_busy_frac"),
             "drafter_busy_frac": _get(s, "pipeline", "drafter_busy_frac"),
@@ -150,8 +193,25 @@ def summarize(merged: dict) -> dict:
             if pipeline_rate and colocated_rate
             else None,
         },
-        "per_gpu": per_gpu_rates(target_rate, drafter_rate, colocated_per_gpu, projection),
+        "target_parallel_check": {
+            key: check.get(key)
+            for key in (
+                "max_rel_diff",
+                "max_abs_diff",
+                "within_tolerance",
+                "tp_samples_per_s",
+                "tp1_samples_per_s",
+                "tp_speedup",
+                "tp_scaling_efficiency",
+            )
+        },
+        # A replica's rate per GPU it takes.
+        "per_gpu": per_gpu_rates(
+            target_rate / k if target_rate else None, drafter_rate, colocated_per_gpu, projection
+        ),
         "peak_memory_gb": memory,
+        # Every rank's highest peak over the layout's own sections (LAYOUT_SECTIONS).
+        "peak_memory_gb_per_gpu": gpu_peaks,
         "peak_memory_kind": "torch.cuda.max_memory_allocated"
         if merged["setup"]["device"] == "cuda"
         else "host peak RSS (CPU run)",
@@ -162,6 +222,7 @@ def summarize(merged: dict) -> dict:
             "colocated_rank0": _get(s, "colocated", "per_rank", "0", "first_step_s"),
         },
         "recompiles_after_warmup": recompiles,
+        "recompiles_after_warmup_pipeline_per_rank": pipeline_recompiles,
         "useful_flops_per_sample": per_sample,
         "projection_8_gpus": projection,
         "profile": {
@@ -216,6 +277,11 @@ def print_table(merged: dict) -> None:
         memory_keys = ("target_only", "drafter_only", "colocated_rank0")
         memory_label = "target only | drafter only | colocated"
     per_gpu = sm.get("per_gpu") or {}
+    layout = layout_of(setup)
+    k = layout["target_parallel"]
+    target_ranks = layout["replicas"][0] if layout["replicas"] else [0]
+    target_label = f"r{target_ranks[0]}" if k == 1 else f"r{target_ranks[0]}-{target_ranks[-1]}, TP={k}"
+    check = sm.get("target_parallel_check") or {}
     rows = [
         (
             "matmul peak",
@@ -223,13 +289,13 @@ def print_table(merged: dict) -> None:
             " | ".join(_fmt(v, ".1f") for v in sm["matmul_peak_tflops"].values()) or "-",
         ),
         (
-            f"target only (r{rank_of(setup, 'target')})",
+            f"target only ({target_label})",
             "samples/s | ms/seq | MFU",
             f"{_fmt(sm['target_only']['samples_per_s'])} | {_fmt(sm['target_only']['ms_per_seq'], '.1f')} | "
             f"{_fmt(sm['target_only']['mfu'], '.1%')}",
         ),
         (
-            f"drafter only (r{rank_of(setup, 'drafter')})",
+            f"drafter only (r{rank_of(setup, 'drafter') or '-'})",
             "samples/s | ms/step | MFU (head as trainable)",
             f"{_fmt(sm['drafter_only']['samples_per_s'])} | {_fmt(sm['drafter_only']['ms_per_step'], '.1f')} | "
             f"{_fmt(sm['drafter_only']['mfu'], '.1%')} ({_fmt(sm['drafter_only']['mfu_head_as_trainable'], '.1%')})",
@@ -241,7 +307,7 @@ def print_table(merged: dict) -> None:
             f"{_fmt(sm['transport']['raw_gb_per_s'], '.1f')}",
         ),
         (
-            "pipeline 1t+1d",
+            f"pipeline {layout['targets']}t+{layout['drafters']}d" + (f" TP={k}" if k > 1 else ""),
             "samples/s | tokens/s | efficiency",
             f"{_fmt(sm['pipeline']['samples_per_s'])} | {_fmt(sm['pipeline']['tokens_per_s'], '.0f')} | "
             f"{_fmt(sm['pipeline']['efficiency'], '.2f')} (bottleneck {sm['pipeline']['bottleneck'] or '-'})",
@@ -253,9 +319,20 @@ def print_table(merged: dict) -> None:
             f"{_fmt(sm['pipeline']['system_mfu'], '.1%')}",
         ),
         (
-            "colocated DDP x2" if world == 2 else "colocated 1 GPU",
+            f"colocated DDP x{world}" if world > 1 else "colocated 1 GPU",
             "samples/s total | pipeline/coloc",
             f"{_fmt(sm['colocated']['samples_per_s'])} | {_fmt(sm['colocated']['pipeline_over_colocated'], '.2f')}",
+        ),
+        None
+        if k == 1
+        else (
+            f"TP={k} vs TP=1",
+            "max rel diff (ok?) | samples/s TP, TP=1 | speed-up",
+            "-"
+            if check.get("max_rel_diff") is None
+            else f"{check['max_rel_diff']:.2e} ({'ok' if check['within_tolerance'] else 'MISMATCH'}) | "
+            f"{_fmt(check['tp_samples_per_s'])}, {_fmt(check['tp1_samples_per_s'])} | "
+            f"{_fmt(check['tp_speedup'], '.2f')}",
         ),
         (
             "per GPU samples/s",
@@ -278,6 +355,11 @@ def print_table(merged: dict) -> None:
             " | ".join(_fmt(sm["peak_memory_gb"][k], ".1f") for k in memory_keys),
         ),
         (
+            "peak GB per rank",
+            " | ".join(f"r{r}" for r in sm.get("peak_memory_gb_per_gpu") or {}) or "-",
+            " | ".join(_fmt(v, ".1f") for v in (sm.get("peak_memory_gb_per_gpu") or {}).values()) or "-",
+        ),
+        (
             "first step s",
             "drafter cold | pipeline | coloc",
             " | ".join(
@@ -295,8 +377,9 @@ def print_table(merged: dict) -> None:
         f"dflash_mp bench: {shape['name']} (target {shape['layers']}L h{shape['hidden']}, runs "
         f"{shape['target_layers_run']}; drafter {shape['draft_layers']}L; S={shape['seq_len']}, "
         f"{shape['num_anchors']} anchors x {shape['block_size']}; B={setup['micro_batch']} A={setup['grad_accum']}) "
-        f"on {world}x {setup['device_name']}"
+        f"on {world}x {setup['device_name']}" + (f", layout {layout['name']}" if world > 2 or k > 1 else "")
     )
+    rows = [row for row in rows if row is not None]
     lines = [title, "-" * min(len(title), 110)]
     width = max(len(b) for _, b, _ in rows)
     lines += [f"{a:<18} {b:<{width}} {c}" for a, b, c in rows]

@@ -1,18 +1,23 @@
-"""Benchmark shapes (Qwen3-shaped targets, the drafter over them, the sequence shape) and their config."""
+"""Benchmark shapes (Qwen3- or Llama-shaped targets, the drafter over them, the sequence shape) and their config."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from transformers import Qwen3Config
+from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
 from dflash_mp.config import RootConfig, compose_config, default_target_layer_ids, to_dataclass
 
 
 @dataclass(frozen=True)
 class Shape:
-    """A target (Qwen3-shaped), the drafter over it, and the training sequence shape."""
+    """A target (Qwen3- or Llama-shaped), the drafter over it, and the training sequence shape.
+
+    The drafter is always a DFlash (Qwen3-style) stack whose layers copy the target's shape
+    (hidden size, heads, MLP, RoPE): models.drafter.build_drafter_config reads them off the
+    target's config, so a Llama-shaped target gets a drafter at its hidden size and RoPE theta.
+    """
 
     name: str
     hidden: int
@@ -27,12 +32,31 @@ class Shape:
     num_anchors: int
     block_size: int
     matmul_n: int  # side of the square matmul that measures the peak
+    # "qwen3" (Qwen3Config: q/k norms, RoPE theta 1e6) or "llama" (LlamaConfig: Llama 3's RoPE
+    # theta 500000, RMS eps 1e-5, no q/k norms; its base_model_tp_plan splits the target).
+    family: str = "qwen3"
 
     @property
     def layer_ids(self) -> list[int]:
         return default_target_layer_ids(self.layers, self.draft_layers)
 
-    def target_config(self) -> Qwen3Config:
+    def target_config(self) -> PretrainedConfig:
+        if self.family == "llama":
+            return LlamaConfig(
+                hidden_size=self.hidden,
+                num_hidden_layers=self.layers,
+                num_attention_heads=self.heads,
+                num_key_value_heads=self.kv_heads,
+                head_dim=self.head_dim,
+                intermediate_size=self.intermediate,
+                vocab_size=self.vocab,
+                max_position_embeddings=max(8192, 2 * self.seq_len),
+                rope_theta=500000.0,
+                rms_norm_eps=1e-5,
+                tie_word_embeddings=False,
+                initializer_range=0.02,
+                attn_implementation="sdpa",
+            )
         return Qwen3Config(
             hidden_size=self.hidden,
             num_hidden_layers=self.layers,
@@ -48,6 +72,15 @@ class Shape:
             attn_implementation="sdpa",
         )
 
+    def target_weight_bytes(self, itemsize: int, tensor_parallel: int = 1) -> int:
+        """Bytes of the target one rank holds: the embedding and final norm (whole on every rank)
+        and the layers run (to the last one the drafter reads), split over `tensor_parallel` ranks."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        qk_norms = 2 * self.head_dim if self.family == "qwen3" else 0
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate + 2 * h + qk_norms
+        layers_run = max(self.layer_ids) + 1
+        return itemsize * (self.vocab * h + h + layers_run * per_layer // tensor_parallel)
+
     def describe(self) -> dict:
         d = dict(self.__dict__)
         d["target_layer_ids"] = self.layer_ids
@@ -61,23 +94,36 @@ SHAPES = {
     "qwen3-8b": Shape("qwen3-8b", 4096, 36, 32, 8, 128, 12288, 151936, 5, 3072, 512, 16, 8192),
     # Qwen3-4B at SpecForge's shape (max 2048 tokens, 512 anchors), for ANCHORS.md's first row.
     "qwen3-4b": Shape("qwen3-4b", 2560, 36, 32, 8, 128, 9728, 151936, 5, 2048, 512, 16, 8192),
+    # Llama-3-70B: 80 layers, hidden 8192, 64/8 heads of 128, MLP 28672, vocab 128256 (140 GB in
+    # bf16: one TP replica over several GPUs); a 5-layer DFlash drafter at hidden 8192.
+    "llama3-70b": Shape(
+        "llama3-70b", 8192, 80, 64, 8, 128, 28672, 128256, 5, 3072, 512, 16, 8192, family="llama"
+    ),
     # A very small version for CPU (what the test runs).
     "tiny": Shape("tiny", 64, 6, 4, 2, 16, 192, 512, 2, 128, 16, 8, 256),
 }
 
 
 def bench_config(
-    shape: Shape, device: torch.device, micro_batch: int, grad_accum: int, extra: list[str]
+    shape: Shape,
+    device: torch.device,
+    micro_batch: int,
+    grad_accum: int,
+    extra: list[str],
+    targets: int = 1,
+    drafters: int = 1,
+    target_parallel: int = 1,
 ) -> RootConfig:
-    """The composed conf/ with this benchmark's shape; model.target_path is never read."""
+    """The composed conf/ with this benchmark's shape and layout; model.target_path is never read."""
     overrides = [
         "model.target_path=/nonexistent/dflash-bench-random-target",
         f"model.draft_layers={shape.draft_layers}",
         f"model.block_size={shape.block_size}",
         f"data.max_length={shape.seq_len}",
         f"data.num_anchors={shape.num_anchors}",
-        "topology.targets=1",
-        "topology.drafters=1",
+        f"topology.targets={targets}",
+        f"topology.drafters={drafters}",
+        f"topology.target_parallel={target_parallel}",
         f"train.micro_batch_size={micro_batch}",
         f"train.grad_accum={grad_accum}",
         "train.max_steps=100000",

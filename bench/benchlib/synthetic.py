@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from dflash_mp.data import MicroBatch
 from dflash_mp.models.dflash2 import GroupedDynamicConv
@@ -148,10 +149,17 @@ def random_embed_and_head(shape: Shape, dtype: torch.dtype, device: torch.device
 
 
 def random_target(
-    shape: Shape, dtype: torch.dtype, device: torch.device, seed: int, compile_layers: bool
+    shape: Shape,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    compile_layers: bool,
+    mesh: DeviceMesh | None = None,
 ) -> TargetFeatureExtractor:
+    """The random target, layer by layer on `device`; with `mesh` this rank's tensor-parallel share
+    of it (the same weights for the same seed: a layer is never whole on the device for long)."""
     extractor = TargetFeatureExtractor.build_random(
-        shape.target_config(), shape.layer_ids, dtype, device, seed=seed
+        shape.target_config(), shape.layer_ids, dtype, device, seed=seed, mesh=mesh
     )
     if compile_layers:  # as the runtime does (train.compile)
         extractor.compile_layers()

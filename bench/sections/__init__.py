@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from sections import colocated, drafter, matmul_peak, pipeline, profile, setup, target, transport
+from sections import colocated, drafter, matmul_peak, pipeline, profile, setup, target, tp_check, transport
 
 # In running order (--sections picks among them, the order stays this one).
 SECTIONS: dict[str, ModuleType] = {
@@ -12,6 +12,7 @@ SECTIONS: dict[str, ModuleType] = {
     "setup": setup,
     "drafter_only": drafter,
     "target_only": target,
+    "target_parallel_check": tp_check,
     "profile": profile,
     "pipeline": pipeline,
     "transport": transport,

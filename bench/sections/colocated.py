@@ -1,8 +1,10 @@
 """The colocated baseline: target forward + drafter step back to back in every process.
 
-On 2 ranks both processes do so and the drafters train under DDP over both; on 1 rank the one
+On N ranks every process does so (whatever role it played before) and the drafters train under
+DDP over all N, rank r on the micro-batches dflash_mp.colocated gives it; on 1 rank the one
 process does it without DDP, which is the colocated rate of one GPU (no all-reduce cost), next to
-the stage rates that the split layouts would get from the same GPU.
+the stage rates that the split layouts would get from the same GPU. A rank holding a
+tensor-parallel share of the target builds a whole one instead (colocated runs TP=1).
 """
 
 from __future__ import annotations
@@ -27,15 +29,17 @@ def run(bench: Bench) -> dict:
     args = bench.args
     if "drafter" in bench.roles:  # the drafter-only objects make room for this process's colocated pair
         bench.trainer = bench.features = None
-        gc.collect()
-        if bench.device.type == "cuda":
-            torch.cuda.empty_cache()
+    if bench.mesh is not None:  # a share of a tensor-parallel replica: colocated needs the whole target
+        bench.extractor = None
+    gc.collect()
+    if bench.device.type == "cuda":
+        torch.cuda.empty_cache()
     start = time.perf_counter()
     if bench.extractor is None:
         bench.extractor = bl.random_target(
             bench.shape, bench.dtype, bench.device, seed=bench.args.seed + 10, compile_layers=bench.compiled
         )
-    # DDP over both ranks; on 1 rank no group, so no DDP.
+    # DDP over every rank; on 1 rank no group, so no DDP.
     trainer = bench.new_trainer(group=None if bench.single else dist.group.WORLD)
     build_s = time.perf_counter() - start
     watch = bl.CompileWatch()

@@ -1,4 +1,9 @@
-"""drafter_only: the drafter step alone (fwd + bwd + AdamW) on one resident micro-batch."""
+"""drafter_only: the drafter step alone (fwd + bwd + AdamW) on one resident micro-batch.
+
+Every drafter rank runs it, under DDP over the drafter ranks when there are several (as in
+training), so a step includes the gradient all-reduce. Samples/s are per drafter rank; the first
+drafter's numbers are at the top, every rank's under per_rank.
+"""
 
 from __future__ import annotations
 
@@ -46,7 +51,7 @@ def run(bench: Bench) -> dict:
     counted = bench.partial["sections"]["setup"]["result"]["drafter"]
     flops = counted["flops_per_micro_batch"] * bench.A * steps
     flops_head_as_trainable = counted["flops_per_micro_batch_head_as_trainable"] * bench.A * steps
-    return {
+    measured = {
         "samples_per_s": steps * bench.A * bench.B / seconds,
         "ms_per_step": seconds / steps * 1e3,
         "ms_per_micro_batch": seconds / (steps * bench.A) * 1e3,
@@ -65,3 +70,16 @@ def run(bench: Bench) -> dict:
         "dynamo_frames_compiled_total": bl.frames_compiled_total(),
         "compile_seconds_so_far": bl.compile_seconds(),
     }
+    result: dict = {
+        "per_rank": {
+            str(bench.rank): {
+                key: measured[key]
+                for key in ("samples_per_s", "ms_per_step", "mfu", "recompiles_after_warmup")
+            }
+        },
+        "drafters": bench.layout.drafters,
+        "ddp": bench.layout.drafters > 1,
+    }
+    if bench.rank == bench.first_drafter:
+        result.update(measured)
+    return result

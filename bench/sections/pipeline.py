@@ -1,5 +1,9 @@
-"""The real pipeline: run_target on rank 0 and run_drafter on rank 1 (the runtime's code), with
+"""The real pipeline: run_target on every target rank and run_drafter on every drafter rank (the
+runtime's code, over the bench's layout: tensor-parallel replicas, DDP among the drafters), with
 device-timeline marks that give each stage's busy and wait fractions.
+
+samples_per_s is the whole layout's rate (the drafters step together, each on A x B samples);
+the first target's and the first drafter's details are at the top, every rank's under per_rank.
 """
 
 from __future__ import annotations
@@ -81,22 +85,58 @@ def busy_fraction(marks: bl.Marks, intervals: list[tuple[int, int]]) -> tuple[fl
 
 
 def run(bench: Bench) -> dict:
+    if "target" in bench.roles:
+        return _run_target(bench)
+    return _run_drafter(bench)
+
+
+def _run_target(bench: Bench) -> dict:
     args, warmup = bench.args, bench.args.warmup
     steps = warmup + args.pipeline_steps
     start = time.perf_counter()
-    if bench.rank == 0:
-        extractor = TimedExtractor(bench.extractor, bench.device, on_call=bench.fault_at("pipeline"))
-        run_target(bench.cfg, bench.job, 0, steps, bench.reader, extractor, bench.dtype)
-        bl.sync(bench.device)
-        busy, span = busy_fraction(extractor.marks, extractor.calls[warmup * bench.A :])
-        return {
-            "target_busy_frac": busy / span,
-            "target_wait_frac": 1 - busy / span,
-            "target_forward_time": bl.distribution(
-                [extractor.marks.seconds(a, b) for a, b in extractor.calls[warmup * bench.A :]]
-            ),
-            "target_elapsed_s": time.perf_counter() - start,
+    topology = bench.job.topology
+    # This replica's forwards during the warm-up steps: recompiles are counted after them.
+    warm_calls = len(
+        topology.micro_batches_of_target(bench.rank, 0, warmup * topology.micro_batches_per_step)
+    )
+    watch = bl.CompileWatch()
+    fault = bench.fault_at("pipeline")
+
+    def on_call(call: int) -> None:
+        fault(call)
+        if call == warm_calls + 1:
+            watch.start()
+
+    extractor = TimedExtractor(bench.extractor, bench.device, on_call=on_call)
+    run_target(bench.cfg, bench.job, 0, steps, bench.reader, extractor, bench.dtype)
+    bl.sync(bench.device)
+    busy, span = busy_fraction(extractor.marks, extractor.calls[warm_calls:])
+    measured = {
+        "target_busy_frac": busy / span,
+        "target_wait_frac": 1 - busy / span,
+        "target_forward_time": bl.distribution(
+            [extractor.marks.seconds(a, b) for a, b in extractor.calls[warm_calls:]]
+        ),
+        "target_elapsed_s": time.perf_counter() - start,
+        "target_recompiles_after_warmup": watch.result()["recompiles"],
+    }
+    result: dict = {
+        "per_rank": {
+            str(bench.rank): {
+                key: measured[key]
+                for key in ("target_busy_frac", "target_wait_frac", "target_recompiles_after_warmup")
+            }
         }
+    }
+    if bench.rank == 0:
+        result.update(measured)
+    return result
+
+
+def _run_drafter(bench: Bench) -> dict:
+    args, warmup = bench.args, bench.args.warmup
+    steps = warmup + args.pipeline_steps
+    start = time.perf_counter()
     trainer = RecordingTrainer(bench.trainer, bench.device, on_call=bench.fault_at("pipeline"))
     records, stamps = [], []
     watch = bl.CompileWatch()
@@ -113,26 +153,42 @@ def run(bench: Bench) -> dict:
     bl.sync(bench.device)
     measured = len(stamps) - warmup
     window = stamps[-1] - stamps[warmup - 1]
-    samples_per_s = measured * bench.A * bench.B / window
+    per_drafter = measured * bench.A * bench.B / window
+    # Every drafter trains on its own A x B samples per step, in lockstep (DDP).
+    samples_per_s = per_drafter * bench.layout.drafters
     busy, span = busy_fraction(trainer.marks, trainer.steps[warmup:])
     last = records[-1]
-    return {
-        "samples_per_s": samples_per_s,
-        "tokens_per_s": samples_per_s * bench.S,
-        "ms_per_step": window / measured * 1e3,
-        "steps": measured,
-        "warmup": warmup,
-        "step_time": bl.distribution(
-            [b - a for a, b in zip(stamps[warmup - 1 :], stamps[warmup:], strict=False)]
-        ),
-        "time_to_first_step_s": stamps[0] - start,
+    mine = {
+        "samples_per_s": per_drafter,
         "drafter_busy_frac": busy / span,
         "drafter_wait_frac": 1 - busy / span,
-        "runtime_reported": {
+        "recompiles_after_warmup": watch.result()["recompiles"],
+    }
+    result: dict = {"per_rank": {str(bench.rank): mine}}
+    if bench.rank != bench.first_drafter:
+        return result
+    result.update(
+        samples_per_s=samples_per_s,
+        samples_per_s_per_drafter=per_drafter,
+        tokens_per_s=samples_per_s * bench.S,
+        ms_per_step=window / measured * 1e3,
+        steps=measured,
+        warmup=warmup,
+        layout=bench.layout.name,
+        drafters=bench.layout.drafters,
+        replicas=bench.layout.replicas,
+        step_time=bl.distribution(
+            [b - a for a, b in zip(stamps[warmup - 1 :], stamps[warmup:], strict=False)]
+        ),
+        time_to_first_step_s=stamps[0] - start,
+        drafter_busy_frac=mine["drafter_busy_frac"],
+        drafter_wait_frac=mine["drafter_wait_frac"],
+        runtime_reported={
             k: last.get(k)
             for k in ("drafter_busy_frac", "drafter_wait_frac", "target_busy_frac", "target_wait_frac")
         },
-        "recompiles_after_warmup": watch.result()["recompiles"],
-        "recompile_reasons": watch.result()["recompile_reasons"],
-        "skipped_nonfinite_steps": sum(bool(r["skipped"]) for r in records[warmup:]),
-    }
+        recompiles_after_warmup=mine["recompiles_after_warmup"],
+        recompile_reasons=watch.result()["recompile_reasons"],
+        skipped_nonfinite_steps=sum(bool(r["skipped"]) for r in records[warmup:]),
+    )
+    return result

@@ -108,7 +108,8 @@ def run(bench: Bench) -> dict:
     )
     drafter_only = bench.partial["sections"].get("drafter_only") or {}
     result["unprofiled_ms_per_step"] = (drafter_only.get("result") or {}).get("ms_per_step")
-    return result
+    # Several drafters profile together (their steps all-reduce); the first one reports.
+    return result if bench.rank == bench.first_drafter else {}
 
 
 def profile_drafter_steps(

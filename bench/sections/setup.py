@@ -1,5 +1,6 @@
-"""Builds the resident objects: the target (target role), the drafter trainer and one
-received-form micro-batch (drafter role), and counts their useful FLOPs.
+"""Builds the resident objects: the target (target role; a rank's tensor-parallel share with
+--target-parallel > 1), the drafter trainer (DDP over the drafter ranks when there are several)
+and one received-form micro-batch (drafter role), and counts their useful FLOPs.
 """
 
 from __future__ import annotations
@@ -27,8 +28,14 @@ def run(bench: Bench) -> dict:
 
 def _setup_target(bench: Bench) -> dict:
     start = time.perf_counter()
+    # With --target-parallel k, each rank builds its share of the replica's target (layer by layer).
     bench.extractor = bl.random_target(
-        bench.shape, bench.dtype, bench.device, seed=bench.args.seed, compile_layers=bench.compiled
+        bench.shape,
+        bench.dtype,
+        bench.device,
+        seed=bench.args.seed,
+        compile_layers=bench.compiled,
+        mesh=bench.mesh,
     )
     bl.sync(bench.device)
     flops = bl.target_flops_per_seq(bench.extractor, bench.shape)
@@ -39,6 +46,8 @@ def _setup_target(bench: Bench) -> dict:
         "flops_per_seq": flops["per_seq"],
         "flops_breakdown": {k: flops[k] for k in ("linear", "attention")},
         "flops_counting": flops["counting"],
+        "target_parallel": bench.target_parallel,
+        "per_rank": {str(bench.rank): {"target_build_s": time.perf_counter() - start}},
     }
 
 

@@ -1,4 +1,9 @@
-"""target_only: the target forward alone, to the last layer the drafter reads."""
+"""target_only: the target forward alone, to the last layer the drafter reads.
+
+Every target rank runs it; the ranks of a tensor-parallel replica run each forward together (the
+replica is the unit: its rate and its MFU over its GPUs). Each replica's leader reports under
+per_replica; rank 0's replica also at the top (what the summary and dflash_mp.plan read).
+"""
 
 from __future__ import annotations
 
@@ -39,15 +44,30 @@ def run(bench: Bench) -> dict:
     seconds = time.perf_counter() - t0
     assert hidden.shape == (bench.B, bench.S, bench.feature_size), hidden.shape
     flops = bench.partial["sections"]["setup"]["result"]["target"]["flops_per_seq"] * bench.B * args.iters
-    return {
+    k = bench.target_parallel
+    measured = {
         "samples_per_s": args.iters * bench.B / seconds,
         "ms_per_seq": seconds / (args.iters * bench.B) * 1e3,
         "forward_time": bl.distribution(marks.intervals()),
         "tflops": flops / seconds / 1e12,
-        "mfu": bench.mfu(flops / seconds),
-        "iters": args.iters,
-        "warmup": args.warmup,
+        # A replica's useful FLOPs over the peak of its k GPUs.
+        "mfu": bench.mfu(flops / seconds, gpus=k),
         "first_forward_s": first_forward_s,
-        "compile_seconds_so_far": bl.compile_seconds(),
         "recompiles_after_warmup": watch.result()["recompiles"],
     }
+    rank = str(bench.rank)
+    result: dict = {
+        "per_rank": {
+            rank: {key: measured[key] for key in ("samples_per_s", "ms_per_seq", "recompiles_after_warmup")}
+        },
+        "replicas": bench.layout.replicas,
+        "target_parallel": k,
+        "iters": args.iters,
+        "warmup": args.warmup,
+    }
+    if bench.layout.is_leader(bench.rank):
+        replica = bench.layout.replica_of(bench.rank)
+        result["per_replica"] = {str(replica): {"ranks": bench.layout.replica_ranks(replica), **measured}}
+    if bench.rank == 0:
+        result.update(measured, compile_seconds_so_far=bl.compile_seconds())
+    return result

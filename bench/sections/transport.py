@@ -1,4 +1,5 @@
-"""The transport alone: dflash_mp.transport's Sender/Receiver next to raw send/recv of the same size."""
+"""The transport alone: dflash_mp.transport's Sender/Receiver next to raw send/recv of the same size,
+between rank 0 (the first target leader) and the first drafter; any other rank idles."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ TIMEOUT_S = 120
 
 def run(bench: Bench) -> dict:
     args = bench.args
+    sender_rank, receiver_rank = 0, bench.first_drafter
+    if bench.rank not in (sender_rank, receiver_rank):
+        return {}
     total, warmup = args.warmup + args.transport_iters, args.warmup
     shape = (bench.B, bench.S, bench.feature_size)
     batch = bench.reader.read(0)
@@ -33,25 +37,30 @@ def run(bench: Bench) -> dict:
         "message_shape": list(shape),
         "message_bytes": message_bytes,
         "messages": args.transport_iters,
+        "ranks": [sender_rank, receiver_rank],
     }
     t0 = t1 = 0.0
-    if bench.rank == 0:
+    if bench.rank == sender_rank:
         sender = Sender(bench.job.meta_group, None, bench.device, bench.cfg.topology.max_inflight_sends)
         for m in range(total):
             if m == warmup:
                 sender.close()
                 bl.sync(bench.device)
                 t0 = time.perf_counter()
-            sender.send_header(1, m, 0, bench.B, bench.S, bench.feature_size, bench.dtype, 0)
-            sender.send_tensors(1, tokens, hidden)
-        sender.send_end_of_data(1, total)
+            sender.send_header(receiver_rank, m, 0, bench.B, bench.S, bench.feature_size, bench.dtype, 0)
+            sender.send_tensors(receiver_rank, tokens, hidden)
+        sender.send_end_of_data(receiver_rank, total)
         sender.close()
         bl.sync(bench.device)
         t1 = time.perf_counter()
         result["sender_msgs_per_s"] = args.transport_iters / (t1 - t0)
     else:
         receiver = Receiver(
-            bench.job.meta_group, None, bench.device, itertools.chain(range(total), [total]), lambda m: 0
+            bench.job.meta_group,
+            None,
+            bench.device,
+            itertools.chain(range(total), [total]),
+            lambda m: sender_rank,
         )
         for m in range(total):
             if m == warmup:
@@ -77,18 +86,20 @@ def run(bench: Bench) -> dict:
             ms_per_msg=seconds / args.transport_iters * 1e3,
         )
     # Raw point-to-point at the hidden-state size, on the same (default) group.
-    buffer = hidden if bench.rank == 0 else torch.empty(shape, dtype=bench.dtype, device=bench.device)
+    buffer = (
+        hidden if bench.rank == sender_rank else torch.empty(shape, dtype=bench.dtype, device=bench.device)
+    )
     for i in range(total):
         if i == warmup:
             bl.sync(bench.device)
             t0 = time.perf_counter()
-        if bench.rank == 0:
-            dist.send(buffer, dst=1)
+        if bench.rank == sender_rank:
+            dist.send(buffer, dst=receiver_rank)
         else:
-            dist.recv(buffer, src=0)
+            dist.recv(buffer, src=sender_rank)
     bl.sync(bench.device)
     seconds = time.perf_counter() - t0
-    if bench.rank == 1:
+    if bench.rank == receiver_rank:
         result.update(
             raw_msgs_per_s=args.transport_iters / seconds,
             raw_gb_per_s=args.transport_iters * hidden_bytes / seconds / bl.GB,

@@ -125,8 +125,10 @@ def read_bench(path: str | Path) -> BenchRecord:
     target_rate = (_ok(sections, "target_only") or {}).get("samples_per_s")
     drafter_rate = (_ok(sections, "drafter_only") or {}).get("samples_per_s")
     pipeline_rate = (_ok(sections, "pipeline") or {}).get("samples_per_s")
-    efficiency = None
-    if pipeline_rate and target_rate and drafter_rate:
+    # The benchmark records it against the layout's stage capacities (all replicas, all drafters);
+    # JSONs without it were 1 + 1, where that is the slower of the two rates.
+    efficiency = (_ok(sections, "pipeline") or {}).get("efficiency")
+    if efficiency is None and pipeline_rate and target_rate and drafter_rate:
         efficiency = pipeline_rate / min(target_rate, drafter_rate)
     # Each colocated rank reports its own rate, which is the rate per GPU.
     colocated_ranks = (_ok(sections, "colocated") or {}).get("per_rank", {})

@@ -1,0 +1,138 @@
+"""bench/bench.py's command line: the flags, their per-shape defaults, the layout they ask for."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import benchlib as bl
+from layout import Layout, LayoutError, resolve_layout
+from sections import DEFAULT_SECTIONS, SECTIONS
+
+DEFAULTS = {  # per shape kind: warm-up and measured iterations
+    "gpu": dict(
+        warmup=3,
+        iters=20,
+        colocated_iters=10,
+        pipeline_steps=30,
+        transport_iters=50,
+        matmul_iters=50,
+        profile_steps=3,
+    ),
+    "tiny": dict(
+        warmup=2,
+        iters=8,
+        colocated_iters=4,
+        pipeline_steps=8,
+        transport_iters=8,
+        matmul_iters=5,
+        profile_steps=2,
+    ),
+}
+
+
+def parse_args(argv: list[str] | None = None, description: str | None = None) -> argparse.Namespace:
+    """The flags, defaults filled in per shape kind; `description`: the runner's docstring."""
+    p = argparse.ArgumentParser(
+        description=(description or __doc__).split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--shape", choices=sorted(bl.SHAPES), default="qwen3-8b")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument(
+        "--out",
+        default="",
+        help="JSON output (default: bench-<shape>.json; other layouts: bench-<shape>-<T>t<D>d[-tp<k>].json)",
+    )
+    p.add_argument(
+        "--targets", type=int, help="target ranks (default: --target-parallel; the rest are drafters)"
+    )
+    p.add_argument("--drafters", type=int, help="drafter ranks (default: WORLD_SIZE - targets)")
+    p.add_argument(
+        "--target-parallel",
+        type=int,
+        default=1,
+        help="target ranks per tensor-parallel replica (divides --targets)",
+    )
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--warmup", type=int, help="warm-up iterations/steps of every section (>= 1)")
+    p.add_argument("--iters", type=int, help="measured iterations: target only, drafter only")
+    p.add_argument("--colocated-iters", type=int, help="measured steps of the colocated baseline")
+    p.add_argument("--pipeline-steps", type=int, help="measured optimizer steps of the pipeline")
+    p.add_argument("--transport-iters", type=int, help="measured messages of the transport section")
+    p.add_argument("--matmul-iters", type=int, help="measured matmuls of the peak")
+    p.add_argument("--profile-steps", type=int, help="profiled drafter steps of the profile section")
+    p.add_argument("--matmul-n", type=int, help="matmul side (default: 8192 on GPU shapes)")
+    p.add_argument(
+        "--sections",
+        default=",".join(DEFAULT_SECTIONS),
+        help=f"comma list of {', '.join(SECTIONS)} (default: all but profile; "
+        "target_parallel_check runs with --target-parallel > 1)",
+    )
+    p.add_argument(
+        "--timeout-scale", type=float, default=1.0, help="multiplies every section's watchdog timeout"
+    )
+    p.add_argument(
+        "--time-budget", type=float, default=420.0, help="start no section after this many s (0: none)"
+    )
+    p.add_argument(
+        "--peer-grace", type=float, default=30.0, help="s to wait on a peer that reported a failure"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, help="draft block size (default: the shape's, 16 on GPU shapes)")
+    p.add_argument(
+        "--override", action="append", default=[], help="Hydra override for the config (repeatable)"
+    )
+    p.add_argument(
+        "--fault",
+        default="",
+        help="testing aid: SECTION:RANK:raise|hang[:CALL] fails that rank there (pipeline: at its CALL-th micro-batch)",
+    )
+    args = p.parse_args(argv)
+    defaults = DEFAULTS["tiny" if args.shape == "tiny" else "gpu"]
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.warmup = max(1, args.warmup)
+    for key in (
+        "iters",
+        "colocated_iters",
+        "pipeline_steps",
+        "transport_iters",
+        "matmul_iters",
+        "profile_steps",
+    ):
+        setattr(args, key, max(1, getattr(args, key)))
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(args.sections) - set(SECTIONS))
+    if unknown:
+        p.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+    if args.fault:
+        parts = args.fault.split(":")
+        if len(parts) not in (3, 4) or parts[0] not in SECTIONS or parts[2] not in ("raise", "hang"):
+            p.error("--fault is SECTION:RANK:raise|hang[:CALL]")
+        args.fault = (parts[0], int(parts[1]), parts[2], int(parts[3]) if len(parts) == 4 else 0)
+    return args
+
+
+def layout_from_env(args: argparse.Namespace) -> Layout:
+    """The layout of this torchrun job; SystemExit naming the flags when it does not fit WORLD_SIZE."""
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    if world < 1:
+        raise SystemExit(
+            "bench.py: WORLD_SIZE is unset: launch it with torchrun --nproc-per-node 2 (1 target + "
+            "1 drafter; --standalone --nproc-per-node 1 on a single GPU), or as many ranks as "
+            "--targets + --drafters"
+        )
+    try:
+        return resolve_layout(world, args.targets, args.drafters, args.target_parallel)
+    except LayoutError as e:
+        raise SystemExit(f"bench.py: {e}") from None
+
+
+def default_out(shape: str, layout: Layout) -> str:
+    """bench-<shape>.json, with the layout unless it is the 1 + 1 (or 1-rank) default."""
+    if layout.single or (layout.targets, layout.drafters, layout.target_parallel) == (1, 1, 1):
+        return f"bench-{shape}.json"
+    tp = f"-tp{layout.target_parallel}" if layout.target_parallel > 1 else ""
+    return f"bench-{shape}-{layout.targets}t{layout.drafters}d{tp}.json"
