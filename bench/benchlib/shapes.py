@@ -41,23 +41,7 @@ class Shape:
         return default_target_layer_ids(self.layers, self.draft_layers)
 
     def target_config(self) -> PretrainedConfig:
-        if self.family == "llama":
-            return LlamaConfig(
-                hidden_size=self.hidden,
-                num_hidden_layers=self.layers,
-                num_attention_heads=self.heads,
-                num_key_value_heads=self.kv_heads,
-                head_dim=self.head_dim,
-                intermediate_size=self.intermediate,
-                vocab_size=self.vocab,
-                max_position_embeddings=max(8192, 2 * self.seq_len),
-                rope_theta=500000.0,
-                rms_norm_eps=1e-5,
-                tie_word_embeddings=False,
-                initializer_range=0.02,
-                attn_implementation="sdpa",
-            )
-        return Qwen3Config(
+        shared = dict(
             hidden_size=self.hidden,
             num_hidden_layers=self.layers,
             num_attention_heads=self.heads,
@@ -65,12 +49,16 @@ class Shape:
             head_dim=self.head_dim,
             intermediate_size=self.intermediate,
             vocab_size=self.vocab,
-            max_position_embeddings=max(40960, 2 * self.seq_len),
-            rms_norm_eps=1e-6,
             tie_word_embeddings=False,
             initializer_range=0.02,
             attn_implementation="sdpa",
         )
+        if self.family == "llama":  # Llama 3's RoPE base and norm epsilon
+            positions = max(8192, 2 * self.seq_len)
+            return LlamaConfig(
+                **shared, max_position_embeddings=positions, rope_theta=500000.0, rms_norm_eps=1e-5
+            )
+        return Qwen3Config(**shared, max_position_embeddings=max(40960, 2 * self.seq_len), rms_norm_eps=1e-6)
 
     def target_weight_bytes(self, itemsize: int, tensor_parallel: int = 1) -> int:
         """Bytes of the target one rank holds: the embedding and final norm (whole on every rank)
