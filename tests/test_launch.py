@@ -282,10 +282,13 @@ def test_the_sbatch_script_trains_with_stand_ins_for_srun_and_scontrol(tmp_path)
 
 
 def _earlier_run(run_dir) -> str:
-    """What a finished run leaves: checkpoints and metrics (their content does not matter here)."""
+    """What a preempted run leaves: checkpoints, metrics, its job.json and PREEMPTED marker (their
+    content does not matter here)."""
     (run_dir / "checkpoints" / "step_00000005").mkdir(parents=True)
     metrics = '{"step": 5, "loss": 2.0, "lr": 0.001}\n'
     (run_dir / "metrics.jsonl").write_text(metrics)
+    outcome.write_job_state(run_dir, state="preempted", exit_code=outcome.EXIT_PREEMPTED, summary="SIGTERM")
+    outcome.preempted_marker(run_dir).write_text('{"step": 5, "signal": "SIGTERM"}')
     return metrics
 
 
@@ -322,6 +325,8 @@ def test_a_fresh_start_in_a_used_run_dir_is_refused_before_any_worker_works(tmp_
         assert way_out in output
     assert (run / "metrics.jsonl").read_text() == metrics  # not truncated
     assert (run / "checkpoints" / "step_00000005").is_dir() and not (run / "config.yaml").exists()
+    # The earlier job's record stays for `status` and a requeue: this launch never started.
+    assert outcome.read_job_state(run)["state"] == "preempted" and outcome.preempted_marker(run).is_file()
     assert not list((run / "logs").glob("rank*.log")) and not (run / "heartbeats").exists()
     if entry == "torchrun":
         return

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from dflash_mp import doctor
 from dflash_mp.config import processes_per_job
 from dflash_mp.launch.detached import start_detached
-from dflash_mp.launch.outcome import EXIT_PREFLIGHT, Outcome, write_outcome
+from dflash_mp.launch.outcome import EXIT_PREFLIGHT, Outcome, read_job_state, write_outcome
 from dflash_mp.launch.supervisor import supervise
 from dflash_mp.logs import append_job_log, job_log_path
 from dflash_mp.rundir import RunDirBusy, RunDirLock, clear_run_dir, lock_run_dir
@@ -49,6 +49,14 @@ def preflight_failure(run_dir: Path, problems: list[str], started: float) -> int
     text = "\n".join(f"  - {p}" for p in problems)
     print(f"dflash_mp: preflight failed, no worker was started:\n{text}", file=sys.stderr, flush=True)
     summary = "preflight failed, no worker was started: " + "; ".join(problems)
+    if read_job_state(run_dir):
+        # An earlier job's record (and its PREEMPTED marker) stays: `status` and a SLURM requeue
+        # read them, and this launch never started. job.log tells of the refusal.
+        append_job_log(
+            run_dir,
+            f"launch refused, exit code {EXIT_PREFLIGHT} (the earlier job's job.json is kept): {summary}",
+        )
+        return EXIT_PREFLIGHT
     write_outcome(run_dir, Outcome("failed", EXIT_PREFLIGHT, summary), time.monotonic() - started)
     return EXIT_PREFLIGHT
 
