@@ -16,9 +16,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from dflash_mp.config import ConfigError, RootConfig, processes_per_job, to_dataclass, validate
+from dflash_mp.config import ConfigError, RootConfig, to_dataclass
 from dflash_mp.launch.processes import zombie_children
 from dflash_mp.rundir import fresh_start_problem
+from dflash_mp.validation import processes_per_job, validate
 
 REQUIRED_MODULES = ("torch", "transformers", "safetensors", "hydra", "omegaconf")
 # Enough for logs and a few checkpoints of a small drafter; a real drafter needs more (~16 B/param each).
@@ -102,7 +103,7 @@ def check_imports() -> Check:
 
 
 def check_config(cfg: RootConfig, world_size: int | None) -> list[Check]:
-    """config.validate, one check per problem (it reports all of them at once)."""
+    """validation.validate, one check per problem (it reports all of them at once)."""
     try:
         validate(cfg, world_size=world_size)
     except ConfigError as e:

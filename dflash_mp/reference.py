@@ -52,8 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m dflash_mp.reference [key=value ...]`: train in one process, print the loss curve."""
     import sys
 
-    from dflash_mp.config import compose_config, to_dataclass, validate
+    from dflash_mp.config import compose_config, to_dataclass
     from dflash_mp.distributed import pick_device
+    from dflash_mp.validation import validate
 
     cfg = to_dataclass(compose_config(sys.argv[1:] if argv is None else argv))
     validate(cfg)

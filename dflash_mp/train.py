@@ -17,8 +17,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dflash_mp import watchdog
-from dflash_mp.config import CONF_DIR, ConfigError, to_dataclass, validate
+from dflash_mp.config import CONF_DIR, ConfigError, to_dataclass
 from dflash_mp.logs import append_job_log, get_logger
+from dflash_mp.validation import validate
 
 EXIT_CONFIG_ERROR = 2
 

@@ -16,9 +16,10 @@ import time
 import pytest
 
 from dflash_mp import doctor
-from dflash_mp.config import ConfigError, compose_config, processes_per_job, to_dataclass, validate
+from dflash_mp.config import ConfigError, compose_config, to_dataclass
 from dflash_mp.launch.outcome import role_of_rank
 from dflash_mp.topology import Role, Topology
+from dflash_mp.validation import processes_per_job, validate
 from dflash_mp.watchdog import EXIT_PREEMPTED, read_heartbeats
 from tests.conftest import REPO, job_env, read_metrics
 

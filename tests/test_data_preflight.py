@@ -100,7 +100,8 @@ def test_doctor_reports_the_bundled_data_as_usable(tmp_path: Path) -> None:
 
 
 def test_config_names_bad_data_fields(tmp_path: Path) -> None:
-    from dflash_mp.config import ConfigError, validate
+    from dflash_mp.config import ConfigError
+    from dflash_mp.validation import validate
 
     overrides = [
         "data.on_too_long=cut",

@@ -33,12 +33,13 @@ from dflash_mp.block_diffusion import (
     sample_anchors,
 )
 from dflash_mp.block_mask import block_mask_mod, dense_block_mask, flex_block_mask
-from dflash_mp.config import ConfigError, validate
+from dflash_mp.config import ConfigError
 from dflash_mp.decoding import _propose, speculative_generate
 from dflash_mp.evaluation import load_eval_prompts, stop_token_ids
 from dflash_mp.export import export_drafter, load_exported_drafter
 from dflash_mp.models import drafter as drafter_module
 from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config, scale_logits
+from dflash_mp.validation import validate
 from tests.drafters import embedded_config, embedded_target, train_on_target_tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -476,3 +477,47 @@ def test_reference_decoding_of_a_trained_export_with_every_field_matches_ours(
         assert got.acceptance_lengths == expected.acceptance_lengths, prompt.source
         longest.append(max(expected.acceptance_lengths))
     assert max(longest) > 3  # trained: the comparison covered accepted drafts
+
+
+@pytest.mark.parametrize(
+    "target_fields, expected",
+    [
+        ({}, {}),  # a Qwen3 target scales nothing: the export stays as it was
+        (
+            {"model_type": "gemma2", "final_logit_softcapping": 30.0},
+            {"input_embedding_scale": 8.0, "final_logit_softcapping": 30.0},  # sqrt(64)
+        ),
+        (
+            {"model_type": "granite", "embedding_multiplier": 12.0, "logits_scaling": 8.0},
+            {"input_embedding_scale": 12.0, "output_multiplier": 0.125},
+        ),
+    ],
+)
+def test_null_scaling_fields_follow_what_the_target_does(target_fields, expected):
+    target = TARGET.to_dict() | target_fields
+    nulls = dict.fromkeys(SCALING)
+    config = build_drafter_config(target, 2, [1, 3], BLOCK, VOCAB - 1, scaling=nulls)
+    assert {key: config.dflash_config[key] for key in SCALING if key in config.dflash_config} == expected
+    # Set values win over the target's, and a cap of 0 turns the target's cap off.
+    chosen = build_drafter_config(
+        target, 2, [1, 3], BLOCK, VOCAB - 1, scaling={**SCALING, "final_logit_softcapping": 0.0}
+    )
+    assert chosen.dflash_config["input_embedding_scale"] == 2.5
+    assert "final_logit_softcapping" not in chosen.dflash_config
+
+
+def test_config_yaml_records_the_scaling_the_run_used(tmp_path):
+    import shutil
+
+    from dflash_mp.config import compose_config, run_config, to_dataclass
+    from dflash_mp.embedded import target_dir
+
+    target = tmp_path / "gemma-like"  # the embedded target, its config.json saying Gemma 2
+    shutil.copytree(target_dir(), target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(config | {"model_type": "gemma2"}))
+    cfg = to_dataclass(compose_config([f"model.target_path={target}", "model.output_multiplier=0.5"]))
+    recorded = run_config(cfg).model
+    hidden = config["hidden_size"]
+    assert (recorded.input_embedding_scale, recorded.output_multiplier) == (hidden**0.5, 0.5)
+    assert recorded.final_logit_softcapping is None

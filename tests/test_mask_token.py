@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mp.config import ConfigError, compose_config, run_config, to_dataclass, validate
+from dflash_mp.config import ConfigError, compose_config, run_config, to_dataclass
 from dflash_mp.doctor import check_config
 from dflash_mp.mask_token import MaskTokenError, load_mask_token, resolve_mask_token, save_run_tokenizer
 from dflash_mp.trainer import build_drafter
+from dflash_mp.validation import validate
 
 QWEN3_MASK_ID = 151669  # len(Qwen3's tokenizer), the id of the published Qwen3 DFlash drafters
 

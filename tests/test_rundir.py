@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from dflash_mp.config import ConfigError, compose_config, validate
+from dflash_mp.config import ConfigError, compose_config
 from dflash_mp.distributed import process_group_timeout_s
 from dflash_mp.metrics import wandb_run_id
 from dflash_mp.rundir import (
@@ -24,6 +24,7 @@ from dflash_mp.rundir import (
     lock_run_dir,
     record_config,
 )
+from dflash_mp.validation import validate
 from dflash_mp.watchdog import PEER_GRACE_S
 from tests.conftest import REPO, job_env
 

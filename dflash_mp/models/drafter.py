@@ -65,6 +65,21 @@ def scale_logits(logits: torch.Tensor, multiplier: float, softcap: float | None)
     return logits
 
 
+def target_scaling(target: dict[str, Any]) -> dict[str, float | None]:
+    """The scaling fields as the target itself applies them (for those a config leaves null):
+    Gemma multiplies its input embeddings by sqrt(hidden_size) and Granite by its
+    embedding_multiplier; Granite divides its logits by logits_scaling; Gemma 2 soft-caps them at
+    its final_logit_softcapping. Other targets scale nothing."""
+    gemma = str(target.get("model_type", "")).startswith("gemma")
+    embedding = target.get("embedding_multiplier") or (float(target["hidden_size"]) ** 0.5 if gemma else 1.0)
+    logits_scaling = target.get("logits_scaling")
+    return {
+        "input_embedding_scale": float(embedding),
+        "output_multiplier": 1.0 / float(logits_scaling) if logits_scaling else 1.0,
+        "final_logit_softcapping": target.get("final_logit_softcapping") or None,
+    }
+
+
 def drafter_arch(config: PretrainedConfig) -> str:
     """The drafter architecture of `config`: "dflash2" when it carries the DFlash 2 fields, else "dflash"."""
     dflash = getattr(config, "dflash_config", None) or {}
@@ -88,8 +103,8 @@ def build_drafter_config(
     `arch="dflash2"` adds `dflash2` (conv_kernel_size, conv_group_size, selector_rank,
     selector_top_k) to `dflash_config`. `layer_types` (one per draft layer, null: all full
     attention) and `sliding_window` go to the top level, where the reference reads them;
-    `scaling` (keys of SCALING_DEFAULTS) goes to `dflash_config`, only the non-default values, so
-    a default config's export is unchanged.
+    `scaling` (keys of SCALING_DEFAULTS; null or absent: what the target does, `target_scaling`)
+    goes to `dflash_config`, only the non-default values, so a Qwen3 target's export is unchanged.
     """
     if isinstance(target_config, PretrainedConfig):
         target = target_config.get_text_config().to_dict()
@@ -133,11 +148,14 @@ def build_drafter_config(
     sliding = "sliding_attention" in layer_types
     if sliding and not (isinstance(sliding_window, int) and sliding_window >= 1):
         problems.append(f"sliding_window must be >= 1 for sliding_attention layers, got {sliding_window}")
-    scaling = {
-        key: value for key, value in (scaling or {}).items() if value != SCALING_DEFAULTS.get(key, value)
-    }
+    scaling = dict(scaling or {})
     if unknown := sorted(set(scaling) - set(SCALING_DEFAULTS)):
         problems.append(f"unknown scaling fields {unknown}: known are {list(SCALING_DEFAULTS)}")
+    derived = target_scaling(target)
+    scaling = {key: derived[key] if scaling.get(key) is None else scaling[key] for key in SCALING_DEFAULTS}
+    if (scaling["final_logit_softcapping"] or 0) <= 0:  # 0 asks for no cap, whatever the target does
+        scaling["final_logit_softcapping"] = None
+    scaling = {key: value for key, value in scaling.items() if value != SCALING_DEFAULTS[key]}
     if problems:
         raise ValueError("invalid drafter config: " + "; ".join(problems))
 
