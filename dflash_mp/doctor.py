@@ -58,6 +58,17 @@ def preflight(
         if per_node is None and cfg.topology.layout == "colocated":  # split: validate names the field
             checks.append(Check("config", False, UNKNOWN_WORLD))
         checks += check_config(cfg, world_size=nnodes * per_node if per_node else None)
+        k = cfg.topology.target_parallel
+        if nnodes > 1 and per_node and isinstance(k, int) and k > 1 and per_node % k:
+            checks.append(
+                Check(
+                    "topology",
+                    True,
+                    f"warning: {per_node} processes per node is not a multiple of topology.target_parallel={k}: "
+                    "some target replica spans two nodes and runs its all-reduces over the network; "
+                    f"use a multiple of {k} per node",
+                )
+            )
         if checks[0].ok and per_node:  # the next two need torch
             import torch
 

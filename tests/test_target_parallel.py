@@ -282,3 +282,16 @@ def test_a_two_gpu_replica_job_trains_like_a_one_gpu_target(tmp_path):
     single = [r["loss"] for r in read_metrics(tmp_path / "tp1")]
     assert len(sharded) == 6
     assert sharded == pytest.approx(single, rel=1e-3)
+
+
+def test_doctor_warns_when_a_replica_would_span_two_nodes(tmp_path):
+    from dflash_mp import doctor
+
+    job = ["topology.targets=2", "topology.target_parallel=2", "topology.drafters=4", "train.device=cpu"]
+    checks = doctor.preflight(compose_config(job), tmp_path / "run", nnodes=2, nproc_per_node=3)
+    assert not doctor.failed(checks)
+    warnings = [c.message for c in checks if c.name == "topology"]
+    assert len(warnings) == 1 and "not a multiple of topology.target_parallel=2" in warnings[0]
+    job[2] = "topology.drafters=2"  # 2 nodes x 2 processes: each replica on one node
+    checks = doctor.preflight(compose_config(job), tmp_path / "run", nnodes=2, nproc_per_node=2)
+    assert not doctor.failed(checks) and not [c for c in checks if c.name == "topology"]
