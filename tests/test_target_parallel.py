@@ -234,28 +234,35 @@ def test_target_parallel_below_one_is_refused():
         validate(_cfg("topology.target_parallel=0"), world_size=3)
 
 
-@pytest.mark.slow
-def test_a_two_rank_replica_job_trains_like_a_one_rank_target(tmp_path):
-    """targets=2 target_parallel=2 (one replica) + 1 drafter against 1 target + 1 drafter."""
+def _replica_and_single_target_runs(tmp_path, *overrides: str) -> tuple[Path, Path]:
+    """The same 6-step job with one 2-rank target replica and with one 1-rank target."""
     common = (
         "train.max_steps=6",
         "train.micro_batch_size=2",
         "train.grad_accum=2",
         "train.export=false",
+        *overrides,
         "logger.progress_every=100",
         "topology.drafters=1",
     )
     run_train(tmp_path / "tp2", *common, "topology.targets=2", "topology.target_parallel=2")
     run_train(tmp_path / "tp1", *common, "topology.targets=1")
-    sharded = [r["loss"] for r in read_metrics(tmp_path / "tp2")]
-    single = [r["loss"] for r in read_metrics(tmp_path / "tp1")]
+    return tmp_path / "tp2", tmp_path / "tp1"
+
+
+@pytest.mark.slow
+def test_a_two_rank_replica_job_trains_like_a_one_rank_target(tmp_path):
+    """targets=2 target_parallel=2 (one replica) + 1 drafter against 1 target + 1 drafter."""
+    tp2, tp1 = _replica_and_single_target_runs(tmp_path)
+    sharded = [r["loss"] for r in read_metrics(tp2)]
+    single = [r["loss"] for r in read_metrics(tp1)]
     assert len(sharded) == 6
     assert sharded == pytest.approx(single, rel=1e-5, abs=1e-5)
-    job_log = (tmp_path / "tp2" / "logs" / "job.log").read_text()
+    job_log = (tp2 / "logs" / "job.log").read_text()
     assert "1 replica(s) of 2 ranks" in job_log
     # Only the leader sends: the drafter received what the single target sent, byte for byte.
-    assert [r["bytes_received"] for r in read_metrics(tmp_path / "tp2")] == [
-        r["bytes_received"] for r in read_metrics(tmp_path / "tp1")
+    assert [r["bytes_received"] for r in read_metrics(tp2)] == [
+        r["bytes_received"] for r in read_metrics(tp1)
     ]
 
 
@@ -266,20 +273,9 @@ def test_a_two_gpu_replica_job_trains_like_a_one_gpu_target(tmp_path):
     group) must neither hang nor change the training, up to float rounding."""
     if torch.cuda.device_count() < 3:
         pytest.skip("needs 3 GPUs")
-    common = (
-        "train.max_steps=6",
-        "train.micro_batch_size=2",
-        "train.grad_accum=2",
-        "train.export=false",
-        "train.device=cuda",
-        "train.dtype=float32",
-        "logger.progress_every=100",
-        "topology.drafters=1",
-    )
-    run_train(tmp_path / "tp2", *common, "topology.targets=2", "topology.target_parallel=2")
-    run_train(tmp_path / "tp1", *common, "topology.targets=1")
-    sharded = [r["loss"] for r in read_metrics(tmp_path / "tp2")]
-    single = [r["loss"] for r in read_metrics(tmp_path / "tp1")]
+    tp2, tp1 = _replica_and_single_target_runs(tmp_path, "train.device=cuda", "train.dtype=float32")
+    sharded = [r["loss"] for r in read_metrics(tp2)]
+    single = [r["loss"] for r in read_metrics(tp1)]
     assert len(sharded) == 6
     assert sharded == pytest.approx(single, rel=1e-3)
 
