@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from dflash_mp.block_mask import dense_block_mask, flex_block_mask
-from dflash_mp.selector_loss import SelectorStats, selector_loss
+from dflash_mp.selector_loss import SelectorStats, TopK, selector_loss
 from dflash_mp.top_k import top_k_ids
 
 
@@ -251,14 +251,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         correct = torch.zeros(rows, dtype=torch.bool, device=hidden.device)
         hidden_grad = torch.empty_like(hidden) if need_hidden_grad else None  # every row is written
         head_grad = torch.zeros_like(head, dtype=torch.float32) if need_head_grad else None
-        # The DFlash 2 selector's candidates: each row's top-K ids, taken while the logits exist.
+        # The DFlash 2 selector's candidates: each row's top-K ids and their logits (and the label's,
+        # for "inject"), taken while the logits exist, so the selector gathers no head rows for them.
         candidates = torch.zeros(rows, top_k, dtype=torch.long, device=hidden.device)
+        candidate_logits = torch.zeros(rows, top_k, dtype=torch.float32, device=hidden.device)
+        label_logits = torch.zeros(rows if top_k else 0, dtype=torch.float32, device=hidden.device)
         for start in range(0, rows, size):
             rows_of_chunk = slice(start, start + size)
             chunk = hidden[rows_of_chunk]
             logits = F.linear(chunk, head)
             if top_k:  # multiplier > 0 and the cap are increasing: the raw logits rank alike
-                candidates[rows_of_chunk] = top_k_ids(logits, top_k)
+                ids = top_k_ids(logits, top_k)
+                candidates[rows_of_chunk] = ids
+                candidate_logits[rows_of_chunk] = logits.gather(-1, ids).float()
+                label_logits[rows_of_chunk] = logits.gather(-1, labels[rows_of_chunk, None])[:, 0].float()
             chunk_loss, logits_grad, correct[rows_of_chunk] = ce_and_grad(
                 logits, labels[rows_of_chunk], scale[rows_of_chunk], multiplier, softcap
             )
@@ -270,11 +276,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 head_grad += (logits_grad.T @ chunk.to(logits_grad.dtype)).float()
         ctx.save_for_backward(hidden_grad, head_grad)
         ctx.head_dtype = head.dtype
-        ctx.mark_non_differentiable(correct, candidates)
-        return loss, correct, candidates
+        ctx.mark_non_differentiable(correct, candidates, candidate_logits, label_logits)
+        return loss, correct, candidates, candidate_logits, label_logits
 
     @staticmethod
-    def backward(ctx, loss_grad: Tensor, _correct_grad: Tensor | None, _candidates_grad: Tensor | None):
+    def backward(ctx, loss_grad: Tensor, *_non_differentiable: Tensor | None):
         hidden_grad, head_grad = ctx.saved_tensors
         if hidden_grad is not None:
             hidden_grad = hidden_grad * loss_grad.to(hidden_grad.dtype)
@@ -318,8 +324,9 @@ def lm_head_loss_and_candidates(
     exist one chunk of `chunk_tokens` rows at a time (2048 x 152k bf16 = 0.6 GB) and their
     gradient is taken on the spot (`_LinearCrossEntropy`). Shapes depend only on the batch shape
     and nothing reads back from the GPU, so a compiled step never waits on the host here.
-    Also returns the top-`top_k` head ids of every scored row, [B*N*(Bs-1), top_k] sorted by
-    logit (the DFlash 2 selector's candidates; [.., 0] when top_k is 0).
+    Also returns the DFlash 2 selector's candidates, a `TopK`: the top-`top_k` head ids of every
+    scored row, [B*N*(Bs-1), top_k] sorted by logit ([.., 0] when top_k is 0), with their raw
+    logits and the label's (detached: `selector_loss` gives them their gradient).
     """
     batch, num_blocks, block_size = labels.shape
     scored_hidden = hidden.reshape(batch, num_blocks, block_size, -1)[:, :, 1:].reshape(-1, hidden.shape[-1])
@@ -328,7 +335,7 @@ def lm_head_loss_and_candidates(
     weight_sum = weights.float().sum()
     # clamp_min: an all-zero-weight batch gives 0 / tiny = 0, not NaN, and keeps the graph.
     scale = scored_weights / weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
-    loss, correct, candidates = _LinearCrossEntropy.apply(
+    loss, correct, ids, candidate_logits, label_logits = _LinearCrossEntropy.apply(
         scored_hidden,
         head_weight,
         scored_labels,
@@ -343,7 +350,8 @@ def lm_head_loss_and_candidates(
     zero = torch.zeros(1, dtype=torch.long, device=weights.device)
     correct_by_index = torch.cat([zero, (correct.view_as(scored) & scored).sum(0)])
     count_by_index = torch.cat([zero, scored.sum(0)])
-    return loss, LossStats(correct=correct_by_index, count=count_by_index, weight_sum=weight_sum), candidates
+    stats = LossStats(correct=correct_by_index, count=count_by_index, weight_sum=weight_sum)
+    return loss, stats, TopK(ids, candidate_logits, label_logits)
 
 
 def per_position_accuracy(correct: Tensor, count: Tensor) -> list[float]:

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TypedDict
+from typing import NamedTuple, TypedDict
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_mp.models.dflash2 import CandidateSelector
@@ -35,6 +36,15 @@ from dflash_mp.models.drafter import scale_logits
 # Per-block-index counts, summed over micro-batches and ranks like LossStats' correct/count.
 SELECTOR_COUNTS = ("topk_hits", "selector_correct", "served_accepted", "unary_accepted")
 GOLD_OUTSIDE_TOP_K = ("drop", "inject")
+
+
+class TopK(NamedTuple):
+    """Each scored row's top-K head ids [M, K], their raw logits [M, K] and the label's [M] (fp32),
+    as the chunked LM-head loss finds them."""
+
+    ids: Tensor
+    logits: Tensor
+    label_logits: Tensor
 
 
 class SelectorStats(TypedDict):
@@ -49,13 +59,19 @@ class _CandidateLogits(torch.autograd.Function):
     """logits[m, k] = hidden[m] . head[candidates[m, k]], a chunk of rows at a time.
 
     Autograd through `head[candidates]` would keep a [rows, K, H] gather alive for the backward;
-    here each chunk's gather lives only while it is used, forward and backward.
+    here each chunk's gather lives only while it is used, and the backward's sum over the K head
+    rows, weighted by the gradient, is one `embedding_bag` (no gather in memory at all).
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, head: Tensor, candidates: Tensor, chunk_rows: int) -> Tensor:
-        out = torch.empty(candidates.shape, dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_rows):
+    def forward(
+        ctx, hidden: Tensor, head: Tensor, candidates: Tensor, chunk_rows: int, known: Tensor | None
+    ) -> Tensor:
+        if known is not None:  # the values, taken from the LM-head loss's logits: only the backward is left
+            out = known.clone()
+        else:
+            out = torch.empty(candidates.shape, dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0] if known is None else 0, chunk_rows):
             rows = slice(start, start + chunk_rows)
             rows_of_head = head[candidates[rows]]
             out[rows] = torch.einsum("mh,mkh->mk", hidden[rows].to(head.dtype), rows_of_head).float()
@@ -66,31 +82,38 @@ class _CandidateLogits(torch.autograd.Function):
     @staticmethod
     def backward(ctx, out_grad: Tensor):
         hidden, head, candidates = ctx.saved_tensors
-        hidden_grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        head_grad = torch.zeros_like(head, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        for start in range(0, hidden.shape[0], ctx.chunk_rows):
-            rows = slice(start, start + ctx.chunk_rows)
-            grad = out_grad[rows].to(head.dtype)
-            if hidden_grad is not None:
-                hidden_grad[rows] = torch.einsum("mk,mkh->mh", grad, head[candidates[rows]]).to(hidden.dtype)
-            if head_grad is not None:
-                outer = grad.float()[:, :, None] * hidden[rows].float()[:, None, :]
+        hidden_grad = head_grad = None
+        if ctx.needs_input_grad[0]:  # sum_k grad[m, k] * head[candidates[m, k]]
+            weights = out_grad.to(head.dtype)
+            hidden_grad = F.embedding_bag(candidates, head, per_sample_weights=weights, mode="sum")
+            hidden_grad = hidden_grad.to(hidden.dtype)
+        if ctx.needs_input_grad[1]:  # the head is frozen in training; this serves the tests
+            head_grad = torch.zeros_like(head, dtype=torch.float32)
+            for start in range(0, hidden.shape[0], ctx.chunk_rows):
+                rows = slice(start, start + ctx.chunk_rows)
+                outer = out_grad[rows].float()[:, :, None] * hidden[rows].float()[:, None, :]
                 head_grad.index_add_(0, candidates[rows].flatten(), outer.flatten(0, 1))
-        return hidden_grad, None if head_grad is None else head_grad.to(head.dtype), None, None
+            head_grad = head_grad.to(head.dtype)
+        return hidden_grad, head_grad, None, None, None
 
 
 def candidate_logits(
-    hidden: Tensor, head_weight: Tensor, candidates: Tensor, chunk_rows: int = 2048
+    hidden: Tensor,
+    head_weight: Tensor,
+    candidates: Tensor,
+    chunk_rows: int = 2048,
+    known: Tensor | None = None,
 ) -> Tensor:
-    """[M, K] float32 head logits of the candidate ids [M, K] for hidden rows [M, H]."""
-    return _CandidateLogits.apply(hidden, head_weight, candidates, chunk_rows)
+    """[M, K] float32 head logits of the candidate ids [M, K] for hidden rows [M, H]; `known`
+    values (the same logits, computed elsewhere without a gradient) skip the forward's gathers."""
+    return _CandidateLogits.apply(hidden, head_weight, candidates, chunk_rows, known)
 
 
 def selector_loss(
     selector: CandidateSelector,
     hidden: Tensor,
     head_weight: Tensor,
-    candidates: Tensor,
+    candidates: TopK | Tensor,
     labels: Tensor,
     weights: Tensor,
     weight_sum: Tensor,
@@ -102,11 +125,14 @@ def selector_loss(
     """The selector term sum(w * CE_sel) / weight_sum and its metrics.
 
     hidden [B, N*Bs, H] (the drafter's output), candidates [B*N*(Bs-1), K] (the unary top-K of
-    block indices 1..Bs-1, sorted by logit), labels/weights [B, N, Bs] from `block_labels`.
+    block indices 1..Bs-1, sorted by logit; a `TopK` from the LM-head loss also brings their
+    logits), labels/weights [B, N, Bs] from `block_labels`.
     The unary scores are the head logits after `multiplier` and the soft cap, as the reference's.
     """
     if gold_outside_top_k not in GOLD_OUTSIDE_TOP_K:
         raise ValueError(f"gold_outside_top_k={gold_outside_top_k!r}: must be one of {GOLD_OUTSIDE_TOP_K}")
+    known = candidates if isinstance(candidates, TopK) else None
+    candidates = known.ids if known is not None else candidates
     batch, num_blocks, block_size = labels.shape
     top_k = candidates.shape[-1]
     scored_hidden = hidden.reshape(batch, num_blocks, block_size, -1)[:, :, 1:].reshape(-1, hidden.shape[-1])
@@ -117,18 +143,20 @@ def selector_loss(
     is_gold = candidates == targets[:, None]
     in_top_k = is_gold.any(-1)
     gold_index = is_gold.int().argmax(-1)  # 0 where absent; such rows are dropped or injected below
+    known_logits = None if known is None else known.logits
     if gold_outside_top_k == "inject":
-        last = torch.arange(top_k, device=candidates.device) == top_k - 1
-        loss_candidates = torch.where(~in_top_k[:, None] & last, targets[:, None], candidates)
+        injected = ~in_top_k[:, None] & (torch.arange(top_k, device=candidates.device) == top_k - 1)
+        loss_candidates = torch.where(injected, targets[:, None], candidates)
+        if known is not None:
+            known_logits = torch.where(injected, known.label_logits[:, None], known.logits)
         gold_index = torch.where(in_top_k, gold_index, top_k - 1)
         loss_weights = position_weights
     else:
         loss_candidates = candidates
         loss_weights = position_weights * in_top_k
 
-    unary = scale_logits(
-        candidate_logits(scored_hidden, head_weight, loss_candidates, chunk_rows), multiplier, softcap
-    )
+    raw = candidate_logits(scored_hidden, head_weight, loss_candidates, chunk_rows, known_logits)
+    unary = scale_logits(raw, multiplier, softcap)
     # Compiled on a GPU: the selector's many small ops (the walk alone is Bs-1 sequential steps)
     # become a few fused kernels; on the CPU it runs eagerly, as the reference comparisons do.
     terms = _compiled_selector_terms() if hidden.is_cuda else _selector_terms

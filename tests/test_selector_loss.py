@@ -134,7 +134,8 @@ def test_candidates_are_the_sorted_top_k_of_the_head_logits() -> None:
     _, head, hidden, labels, weights = _problem(2)
     _, _, candidates = lm_head_loss_and_candidates(hidden, head, labels, weights, TOP_K, chunk_tokens=6)
     rows = hidden.detach().view(2, 4, BLOCK, -1)[:, :, 1:].reshape(-1, HIDDEN)
-    assert torch.equal(candidates, (rows @ head.T).topk(TOP_K).indices)
+    assert torch.equal(candidates.ids, (rows @ head.T).topk(TOP_K).indices)
+    torch.testing.assert_close(candidates.logits, (rows @ head.T).topk(TOP_K).values)
 
 
 def test_fresh_selector_gives_the_unary_path_and_log_k_free_loss() -> None:
