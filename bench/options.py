@@ -62,6 +62,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p.add_argument("--transport-iters", type=int, help="measured messages of the transport section")
     p.add_argument("--matmul-iters", type=int, help="measured matmuls of the peak")
     p.add_argument("--profile-steps", type=int, help="profiled drafter steps of the profile section")
+    p.add_argument(
+        "--profile-top-kernels",
+        type=int,
+        default=15,
+        help="kernels the profile section lists, costliest first",
+    )
     p.add_argument("--matmul-n", type=int, help="matmul side (default: 8192 on GPU shapes)")
     p.add_argument(
         "--sections",

@@ -27,11 +27,11 @@ from collections.abc import Callable
 from typing import NamedTuple, TypedDict
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_mp.models.dflash2 import CandidateSelector
 from dflash_mp.models.drafter import scale_logits
+from dflash_mp.weighted_rows import weighted_row_sum
 
 # Per-block-index counts, summed over micro-batches and ranks like LossStats' correct/count.
 SELECTOR_COUNTS = ("topk_hits", "selector_correct", "served_accepted", "unary_accepted")
@@ -60,7 +60,7 @@ class _CandidateLogits(torch.autograd.Function):
 
     Autograd through `head[candidates]` would keep a [rows, K, H] gather alive for the backward;
     here each chunk's gather lives only while it is used, and the backward's sum over the K head
-    rows, weighted by the gradient, is one `embedding_bag` (no gather in memory at all).
+    rows, weighted by the gradient, is one `weighted_row_sum` (no gather in memory at all).
     """
 
     @staticmethod
@@ -84,9 +84,7 @@ class _CandidateLogits(torch.autograd.Function):
         hidden, head, candidates = ctx.saved_tensors
         hidden_grad = head_grad = None
         if ctx.needs_input_grad[0]:  # sum_k grad[m, k] * head[candidates[m, k]]
-            weights = out_grad.to(head.dtype)
-            hidden_grad = F.embedding_bag(candidates, head, per_sample_weights=weights, mode="sum")
-            hidden_grad = hidden_grad.to(hidden.dtype)
+            hidden_grad = weighted_row_sum(head, candidates, out_grad).to(hidden.dtype)
         if ctx.needs_input_grad[1]:  # the head is frozen in training; this serves the tests
             head_grad = torch.zeros_like(head, dtype=torch.float32)
             for start in range(0, hidden.shape[0], ctx.chunk_rows):

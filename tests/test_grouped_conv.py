@@ -13,7 +13,13 @@ needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or triton is None, reason="needs CUDA and Triton"
 )
 
-SHAPES = [(2, 72, 256, 2, 16, 16), (1, 45, 160, 3, 32, 8), (2, 40, 512, 2, 16, None), (1, 131, 96, 2, 32, 5)]
+SHAPES = [
+    (2, 72, 256, 2, 16, 16),
+    (1, 45, 160, 3, 32, 8),
+    (2, 40, 512, 2, 16, None),
+    (1, 131, 96, 2, 32, 5),
+    (1, 37, 64, 4, 16, 6),
+]
 
 
 def _inputs(batch, length, hidden, taps, group, dtype, device, seed=0):
@@ -64,8 +70,15 @@ def test_only_the_gradients_asked_for_are_computed() -> None:
 @needs_cuda
 @pytest.mark.parametrize("batch,length,hidden,taps,group,block", [*SHAPES, (1, 4096, 4096, 2, 16, 16)])
 def test_triton_kernel_gradients_equal_autograd_in_fp32(batch, length, hidden, taps, group, block) -> None:
-    assert grouped_conv._triton_takes(torch.zeros(1, 1, hidden, device="cuda"), group)
+    assert grouped_conv._triton_takes(torch.zeros(1, 1, hidden, device="cuda"), taps, group)
     _compare(batch, length, hidden, taps, group, block, "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_kernels_wider_than_the_triton_pass_takes_keep_the_tensor_ops() -> None:
+    assert not grouped_conv._triton_takes(torch.zeros(1, 1, 64, device="cuda"), 5, 16)
+    _compare(1, 30, 64, 5, 16, 8, "cuda")
 
 
 @pytest.mark.gpu

@@ -104,7 +104,13 @@ def run(bench: Bench) -> dict:
         raise RuntimeError("profile needs the drafter built by setup (run --sections setup,profile)")
     args = bench.args
     result = profile_drafter_steps(
-        bench.trainer, bench.features, bench.A, args.warmup, args.profile_steps, bench.device
+        bench.trainer,
+        bench.features,
+        bench.A,
+        args.warmup,
+        args.profile_steps,
+        bench.device,
+        args.profile_top_kernels,
     )
     drafter_only = bench.partial["sections"].get("drafter_only") or {}
     result["unprofiled_ms_per_step"] = (drafter_only.get("result") or {}).get("ms_per_step")

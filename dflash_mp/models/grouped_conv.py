@@ -6,9 +6,9 @@ group's channels (per token) and a sum over all tokens (per channel) of the same
 which inductor computes in separate kernels, each reading dy and x again. Here:
 
     d values   in tensor ops, so that inductor fuses it into the neighbouring backward kernels;
-    d dynamic, d base   one Triton pass on CUDA over dy and x (both taps, both sums), the
-                        per-channel sum left as per-program partials and added up after (so the
-                        result does not depend on scheduling); tensor ops elsewhere.
+    d dynamic, d base   one Triton pass on CUDA over dy and x (every tap, up to four; both sums),
+                        the per-channel sum left as per-program partials and added up after (so
+                        the result does not depend on scheduling); tensor ops elsewhere.
 
 All sums are fp32; the gradients take their inputs' dtypes. Row t of [B, L, D] sits at
 `position[t]` in its block and tap o reads row t - o only when that position is >= o.
@@ -26,7 +26,9 @@ try:  # Triton ships with CUDA builds of torch; CPU builds take the tensor-op su
 except ImportError:  # pragma: no cover - depends on the torch build
     triton = None
 
-_ROWS = 16  # rows per program (more would spill registers: three fp32 tiles live)
+_ROWS = 8  # rows per tile: three fp32 [8, 128] tiles live at once
+_TILES = 8  # tiles per program, down the rows: 8 x fewer partial channel sums than one tile each
+_MAX_TAPS = 4  # the kernel carries one channel-sum accumulator per tap; wider kernels take tensor ops
 _COLUMNS = 128  # channels per program: whole groups of any power-of-two size up to 128
 
 
@@ -65,7 +67,9 @@ class GroupedConvolution(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_values = _values_grad(grad_out, dynamic, base, position, group_size).to(values.dtype)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            kernel_sums = _triton_kernel_grads if _triton_takes(values, group_size) else _kernel_grads
+            kernel_sums = (
+                _triton_kernel_grads if _triton_takes(values, base.shape[0], group_size) else _kernel_grads
+            )
             grad_dynamic, grad_base = kernel_sums(grad_out, values, position, base.shape[0], group_size)
             grad_dynamic, grad_base = grad_dynamic.to(dynamic.dtype), grad_base.to(base.dtype)
         return grad_values, grad_dynamic, grad_base, None, None
@@ -109,11 +113,12 @@ def _kernel_grads(
     return torch.stack(per_group, dim=2), torch.stack(per_channel)
 
 
-def _triton_takes(values: Tensor, group_size: int) -> bool:
-    """CUDA with Triton, and groups a power of two no wider than a program's columns."""
+def _triton_takes(values: Tensor, taps: int, group_size: int) -> bool:
+    """CUDA with Triton, at most _MAX_TAPS taps, and groups a power of two no wider than a program's columns."""
     return (
         triton is not None
         and values.is_cuda
+        and taps <= _MAX_TAPS
         and group_size <= _COLUMNS
         and group_size & (group_size - 1) == 0
         and values.shape[-1] % group_size == 0
@@ -128,12 +133,12 @@ def _triton_kernel_grads(
     batch, length, hidden = values.shape
     groups = hidden // group_size
     rows = batch * length
-    row_programs = triton.cdiv(rows, _ROWS)
+    row_programs = triton.cdiv(rows, _ROWS * _TILES)
     grad_dynamic = torch.empty(batch, length, taps, groups, dtype=torch.float32, device=values.device)
     partials = torch.empty(row_programs, taps, hidden, dtype=torch.float32, device=values.device)
     _kernel_grads_kernel[(row_programs, triton.cdiv(groups, _COLUMNS // group_size))](
         grad_out, values, position, grad_dynamic, partials, rows, length, hidden, groups,
-        TAPS=taps, GROUP=group_size, ROWS=_ROWS, GROUPS_PER_PROGRAM=_COLUMNS // group_size,
+        TAPS=taps, GROUP=group_size, ROWS=_ROWS, TILES=_TILES, GROUPS_PER_PROGRAM=_COLUMNS // group_size,
     )  # fmt: skip
     return grad_dynamic, partials.sum(0)
 
@@ -155,29 +160,52 @@ if triton is not None:
     def _kernel_grads_kernel(
         grad_out_ptr, values_ptr, position_ptr, grad_dynamic_ptr, partials_ptr,
         num_rows, length, hidden, num_groups,
-        TAPS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
+        TAPS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr,
+        GROUPS_PER_PROGRAM: tl.constexpr,
     ):  # fmt: skip
-        # A [ROWS, groups, GROUP] tile: the group sum is over the last axis, the channel sum over the first.
+        # [ROWS, groups, GROUP] tiles, TILES of them down the rows. Per tile dy is read once and
+        # every tap's shifted values after it (row t - o is mostly in cache from the tile before).
+        # The group sum is over the last axis, stored per row; the channel sum over the first,
+        # carried per tap across the tiles (one accumulator per tap: at most _MAX_TAPS).
         row_block = tl.program_id(0)
-        rows = row_block * ROWS + tl.arange(0, ROWS)
         groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
         columns = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        row_ok, group_ok = rows < num_rows, groups < num_groups
-        here = row_ok[:, None, None] & group_ok[None, :, None]
-        offsets = rows.to(tl.int64)[:, None, None] * hidden + columns[None, :, :]
-        grad_out = tl.load(grad_out_ptr + offsets, mask=here, other=0.0).to(tl.float32)
-        position = tl.load(position_ptr + rows % length, mask=row_ok, other=0)
-        for tap in tl.static_range(TAPS):
-            reads = here & (position >= tap)[:, None, None]
-            shifted = tl.load(values_ptr + offsets - tap * hidden, mask=reads, other=0.0).to(tl.float32)
-            product = grad_out * shifted
-            tl.store(
-                grad_dynamic_ptr + (rows.to(tl.int64)[:, None] * TAPS + tap) * num_groups + groups[None, :],
-                tl.sum(product, axis=2),
-                mask=row_ok[:, None] & group_ok[None, :],
-            )
-            tl.store(
-                partials_ptr + (row_block * TAPS + tap) * hidden + columns,
-                tl.sum(product, axis=0),
-                mask=group_ok[:, None],
-            )
+        group_ok = groups < num_groups
+        sum0 = tl.zeros((GROUPS_PER_PROGRAM, GROUP), dtype=tl.float32)
+        sum1 = tl.zeros((GROUPS_PER_PROGRAM, GROUP), dtype=tl.float32)
+        sum2 = tl.zeros((GROUPS_PER_PROGRAM, GROUP), dtype=tl.float32)
+        sum3 = tl.zeros((GROUPS_PER_PROGRAM, GROUP), dtype=tl.float32)
+        for tile in range(TILES):
+            rows = (row_block * TILES + tile) * ROWS + tl.arange(0, ROWS)
+            row_ok = rows < num_rows
+            here = row_ok[:, None, None] & group_ok[None, :, None]
+            offsets = rows.to(tl.int64)[:, None, None] * hidden + columns[None, :, :]
+            position = tl.load(position_ptr + rows % length, mask=row_ok, other=0)
+            grad_out = tl.load(grad_out_ptr + offsets, mask=here, other=0.0).to(tl.float32)
+            for tap in tl.static_range(TAPS):
+                reads = here & (position >= tap)[:, None, None]
+                shifted = tl.load(values_ptr + offsets - tap * hidden, mask=reads, other=0.0).to(tl.float32)
+                product = grad_out * shifted
+                tl.store(
+                    grad_dynamic_ptr
+                    + (rows.to(tl.int64)[:, None] * TAPS + tap) * num_groups
+                    + groups[None, :],
+                    tl.sum(product, axis=2),
+                    mask=row_ok[:, None] & group_ok[None, :],
+                )
+                if tap == 0:
+                    sum0 += tl.sum(product, axis=0)
+                elif tap == 1:
+                    sum1 += tl.sum(product, axis=0)
+                elif tap == 2:
+                    sum2 += tl.sum(product, axis=0)
+                else:
+                    sum3 += tl.sum(product, axis=0)
+        partials = partials_ptr + row_block * TAPS * hidden + columns
+        tl.store(partials, sum0, mask=group_ok[:, None])
+        if TAPS > 1:
+            tl.store(partials + hidden, sum1, mask=group_ok[:, None])
+        if TAPS > 2:
+            tl.store(partials + 2 * hidden, sum2, mask=group_ok[:, None])
+        if TAPS > 3:
+            tl.store(partials + 3 * hidden, sum3, mask=group_ok[:, None])
