@@ -291,12 +291,29 @@ def load_target_model(
     return model.to(device).eval().requires_grad_(False)
 
 
+def require_room_for_target(
+    path: str | Path, dtype: torch.dtype, device: torch.device, free_bytes: int
+) -> None:
+    """EvalError unless the whole target's weights fit in `free_bytes` of `device` (safetensors only)."""
+    from dflash_mp.models.target import checkpoint_bytes
+
+    needed = checkpoint_bytes(path, dtype)
+    if needed is not None and needed > free_bytes:
+        raise EvalError(
+            f"eval.every decodes with the whole target ({path}: {needed / 1e9:.1f} GB in "
+            f"{str(dtype).removeprefix('torch.')}) on the first drafter rank's {device}, which has "
+            f"{free_bytes / 1e9:.1f} GB free beside the drafter: set eval.every=0 and measure tau "
+            "after training with `python -m dflash_mp.eval` where the target fits (a target "
+            "replica over several GPUs, topology.target_parallel > 1, never fits one)"
+        )
+
+
 class AcceptanceEvaluator:
     """`evaluate_acceptance` during training: the full target, its tokenizer and cfg.eval.num_prompts
     held-out prompts loaded once, in the training precision, and checked before the first step.
 
-    The whole target (LM head included) lives on the evaluating rank, so enable eval.every only
-    where the target fits beside the drafter.
+    The whole target (LM head included) lives on the evaluating rank, so eval.every works only
+    where the target fits beside the drafter; on CUDA that is checked before the target is read.
     """
 
     def __init__(self, cfg: Any, device: torch.device) -> None:
@@ -304,6 +321,8 @@ class AcceptanceEvaluator:
         from dflash_mp.trainer import resolve_precision
 
         dtype, _, _ = resolve_precision(cfg, device)
+        if device.type == "cuda":  # before minutes of reading a target that cannot fit
+            require_room_for_target(cfg.model.target_path, dtype, device, torch.cuda.mem_get_info(device)[0])
         trust_remote_code = cfg.model.trust_remote_code
         self.tokenizer = load_tokenizer(
             cfg.model.target_path, trust_remote_code, require_chat_template=not cfg.data.chat_template

@@ -203,7 +203,7 @@ def _run_role(cfg, job, run_dir: Path) -> None:
     if job.is_first_drafter and cfg.eval.every > 0:
         from dflash_mp.eval import AcceptanceEvaluator
 
-        # Loads the whole target beside the drafter: enable eval.every only where it fits.
+        # Loads the whole target beside the drafter (on CUDA it refuses one that cannot fit).
         evaluator = AcceptanceEvaluator(cfg, job.device)
     if job.is_first_drafter:
         from dflash_mp.config import run_config

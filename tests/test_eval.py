@@ -22,8 +22,10 @@ from dflash_mp.eval import (
     speculative_generate,
     stop_token_ids,
 )
+from dflash_mp.evaluation import require_room_for_target
 from dflash_mp.export import export_drafter
 from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_mp.models.target import checkpoint_bytes
 from dflash_mp.reference import reference_train
 from dflash_mp.trainer import build_drafter
 from tests.drafters import embedded_config, embedded_target, train_on_target_tokens
@@ -151,6 +153,29 @@ def test_evaluator_for_training_reads_the_config(setup: dict) -> None:
     # Checked when training starts, not at the first evaluation.
     with pytest.raises(EvalError, match="context of 512 positions with max_new_tokens=600"):
         AcceptanceEvaluator(embedded_config("eval.max_new_tokens=600"), torch.device("cpu"))
+
+
+def test_checkpoint_bytes_equal_the_loaded_weights_single_file_and_sharded(
+    setup: dict, tmp_path: Path
+) -> None:
+    path = Path(setup["cfg"].model.target_path)
+    sharded = tmp_path / "sharded"
+    setup["target"].save_pretrained(sharded, max_shard_size="200KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    elements = sum(p.numel() for p in setup["target"].parameters())
+    for directory in (path, sharded):
+        assert checkpoint_bytes(directory, torch.bfloat16) == 2 * elements
+        assert checkpoint_bytes(directory, torch.float32) == 4 * elements
+    assert checkpoint_bytes(tmp_path, torch.bfloat16) is None  # no safetensors: nothing to check
+
+
+def test_eval_every_refuses_a_target_that_cannot_fit_before_reading_it(setup: dict) -> None:
+    path = setup["cfg"].model.target_path
+    needed = checkpoint_bytes(path, torch.bfloat16)
+    gpu = torch.device("cuda", 0)
+    require_room_for_target(path, torch.bfloat16, gpu, free_bytes=needed)  # exactly fits
+    with pytest.raises(EvalError, match=r"cuda:0, which has 0\.0 GB free.*set eval\.every=0"):
+        require_room_for_target(path, torch.bfloat16, gpu, free_bytes=needed - 1)
 
 
 # ----------------------------------------------------------------------------------------- bad input

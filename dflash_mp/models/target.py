@@ -250,6 +250,36 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 
+def checkpoint_bytes(path: str | Path, dtype: torch.dtype) -> int | None:
+    """Bytes of the whole checkpoint once loaded with floating tensors in `dtype`, from the
+    safetensors headers alone (no tensor is read); None for a checkpoint without safetensors."""
+    try:
+        files = _tensor_files(Path(path))
+    except FileNotFoundError:
+        return None
+    names_by_file: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        names_by_file.setdefault(file, []).append(name)
+    total = 0
+    for file, names in names_by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                piece = f.get_slice(name)
+                numel = 1
+                for size in piece.get_shape():
+                    numel *= size
+                stored = _SAFETENSORS_DTYPES.get(piece.get_dtype(), torch.float32)
+                total += numel * (dtype if stored.is_floating_point else stored).itemsize
+    return total
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
 def _read_tensor(files: dict[str, Path], names: tuple[str, ...]) -> torch.Tensor | None:
     name = next((n for n in names if n in files), None)
     if name is None:
