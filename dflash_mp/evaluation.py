@@ -303,8 +303,8 @@ def require_room_for_target(
             f"eval.every decodes with the whole target ({path}: {needed / 1e9:.1f} GB in "
             f"{str(dtype).removeprefix('torch.')}) on the first drafter rank's {device}, which has "
             f"{free_bytes / 1e9:.1f} GB free beside the drafter: set eval.every=0 and measure tau "
-            "after training with `python -m dflash_mp.eval` where the target fits (a target "
-            "replica over several GPUs, topology.target_parallel > 1, never fits one)"
+            "after training with `python -m dflash_mp.eval` where the target fits (a target that "
+            "needed topology.target_parallel > 1 does not fit one GPU)"
         )
 
 
