@@ -2,7 +2,7 @@
 
 The DFlash 2 selector's backward needs this with the target's LM head as the table (152k rows of
 4096 on Qwen3-8B) and 16 candidates per row. `F.embedding_bag` computes it, but on an H200 it reads
-the rows at about a sixth of the memory bandwidth (0.65 ms for 3584 x 16 rows of 8 KB); the Triton
+the rows at about a sixth of the memory bandwidth (0.7 ms for 3584 x 16 rows of 8 KB); the Triton
 kernel here keeps all K row loads of a tile in flight at once. CPU builds take `embedding_bag`.
 Sums are fp32; the result takes the table's dtype.
 """
