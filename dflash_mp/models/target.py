@@ -12,6 +12,7 @@ import copy
 import importlib.util
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -257,19 +258,14 @@ def checkpoint_bytes(path: str | Path, dtype: torch.dtype) -> int | None:
         files = _tensor_files(Path(path))
     except FileNotFoundError:
         return None
-    names_by_file: dict[Path, list[str]] = {}
-    for name, file in files.items():
-        names_by_file.setdefault(file, []).append(name)
     total = 0
-    for file, names in names_by_file.items():
+    for file in set(files.values()):
         with safe_open(file, framework="pt") as f:
-            for name in names:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 piece = f.get_slice(name)
-                numel = 1
-                for size in piece.get_shape():
-                    numel *= size
                 stored = _SAFETENSORS_DTYPES.get(piece.get_dtype(), torch.float32)
-                total += numel * (dtype if stored.is_floating_point else stored).itemsize
+                itemsize = (dtype if stored.is_floating_point else stored).itemsize
+                total += math.prod(piece.get_shape()) * itemsize
     return total
 
 
