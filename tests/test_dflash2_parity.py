@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3Config
 
 from dflash_mp.export import export_drafter, load_exported_drafter
+from dflash_mp.models import dflash2 as dflash2_module
 from dflash_mp.models.dflash2 import GroupedDynamicConv
 from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
 
@@ -215,6 +216,25 @@ def test_fresh_dflash2_drafter_computes_what_its_dflash_weights_compute() -> Non
     logits = torch.randn(2, BLOCK - 1, VOCAB)
     tokens, _, _ = selector.walk(torch.randn(2, BLOCK - 1, HIDDEN), logits, torch.tensor([1, 2]))
     assert torch.equal(tokens, logits.argmax(-1))  # a no-op: the unary argmax
+
+
+def test_under_autocast_the_convolutions_take_the_residual_dtype(monkeypatch) -> None:
+    # Training keeps fp32 weights under bf16 autocast, where an fp32 norm weight makes the normed
+    # input fp32; the reference's bf16 drafter convolves bf16 (and bf16 moves half the bytes).
+    seen = []
+    convolve = dflash2_module.grouped_dynamic_convolve
+
+    def recording(values, *args):
+        seen.append(values.dtype)
+        return convolve(values, *args)
+
+    monkeypatch.setattr(dflash2_module, "grouped_dynamic_convolve", recording)
+    drafter = _randomised(DFlashDrafter(_config(), seed=0))
+    context, blocks, *rest = _training_layout()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = drafter(context.bfloat16(), blocks.bfloat16(), *rest)
+    assert hidden.isfinite().all()
+    assert seen == [torch.bfloat16] * 4 * len(drafter.layers)  # both sides of both sublayers
 
 
 def test_bad_dflash2_settings_are_named() -> None:
