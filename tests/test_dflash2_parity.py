@@ -211,6 +211,11 @@ def test_fresh_dflash2_drafter_computes_what_its_dflash_weights_compute() -> Non
     inputs = _training_layout()
     with torch.no_grad():
         torch.testing.assert_close(dflash2(*inputs), dflash(*inputs), atol=0, rtol=0)
+        # Also in training precision: fp32 weights, bf16 residual stream under autocast.
+        context, blocks, *rest = inputs
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16_inputs = (context.bfloat16(), blocks.bfloat16(), *rest)
+            torch.testing.assert_close(dflash2(*bf16_inputs), dflash(*bf16_inputs), atol=0, rtol=0)
     selector = dflash2.candidate_selector
     assert selector.successor_codebook.abs().sum() == 0 and selector.predecessor_codebook.std() > 0
     logits = torch.randn(2, BLOCK - 1, VOCAB)
