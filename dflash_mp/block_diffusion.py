@@ -218,6 +218,12 @@ def _compiled_ce_and_grad() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
     return torch.compile(_ce_and_grad)
 
 
+# Eager chunks of logits stay under 8 MiB of fp32: temporaries that small are reused from the
+# allocator's free lists, larger ones are fresh pages every op (on CPU at vocab 151936, 13-row
+# chunks take the loss and its gradient 2.6x faster than one 448-row chunk).
+_EAGER_CHUNK_ELEMENTS = 1 << 21
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum_i scale_i * CE(hidden_i @ head.T, label_i), with the gradient computed during the forward.
 
@@ -244,6 +250,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_hidden_grad = grad_enabled and ctx.needs_input_grad[0]
         need_head_grad = grad_enabled and ctx.needs_input_grad[1]
         ce_and_grad = _compiled_ce_and_grad() if hidden.is_cuda else _ce_and_grad
+        if not hidden.is_cuda:  # eager: every op of `_ce_and_grad` allocates a [rows, vocab] temporary
+            chunk_tokens = min(chunk_tokens, max(1, _EAGER_CHUNK_ELEMENTS // head.shape[0]))
         # Equal chunks (at most two sizes), so the compiled part sees few shapes.
         num_chunks = max(1, -(-rows // chunk_tokens))
         size = max(1, -(-rows // num_chunks))
