@@ -26,7 +26,7 @@ try:  # Triton ships with CUDA builds of torch; CPU builds take the tensor-op su
 except ImportError:  # pragma: no cover - depends on the torch build
     triton = None
 
-_ROWS = 8  # rows per tile: three fp32 [8, 128] tiles live at once
+_ROWS = 8  # rows per tile: dy, the shifted values and a channel-sum tile per tap, fp32 [8, 128] each
 _TILES = 8  # tiles per program, down the rows: 8 x fewer partial channel sums than one tile each
 _MAX_TAPS = 4  # the kernel carries one channel-sum accumulator per tap; wider kernels take tensor ops
 _COLUMNS = 128  # channels per program: whole groups of any power-of-two size up to 128
@@ -165,16 +165,17 @@ if triton is not None:
     ):  # fmt: skip
         # [ROWS, groups, GROUP] tiles, TILES of them down the rows. Per tile dy is read once and
         # every tap's shifted values after it (row t - o is mostly in cache from the tile before).
-        # The group sum is over the last axis, stored per row; the channel sum over the first,
-        # carried per tap across the tiles (one accumulator per tap: at most _MAX_TAPS).
+        # The group sum is over the last axis, stored per row; the channel sum is carried per tap
+        # as a whole tile across the tiles (elementwise adds) and reduced over its rows once at
+        # the end (one accumulator per tap: at most _MAX_TAPS).
         row_block = tl.program_id(0)
         groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
         columns = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         group_ok = groups < num_groups
-        sum0 = tl.zeros((GROUPS_PER_PROGRAM, GROUP), dtype=tl.float32)
-        sum1 = tl.zeros((GROUPS_PER_PROGRAM, GROUP), dtype=tl.float32)
-        sum2 = tl.zeros((GROUPS_PER_PROGRAM, GROUP), dtype=tl.float32)
-        sum3 = tl.zeros((GROUPS_PER_PROGRAM, GROUP), dtype=tl.float32)
+        sum0 = tl.zeros((ROWS, GROUPS_PER_PROGRAM, GROUP), dtype=tl.float32)
+        sum1 = tl.zeros((ROWS, GROUPS_PER_PROGRAM, GROUP), dtype=tl.float32)
+        sum2 = tl.zeros((ROWS, GROUPS_PER_PROGRAM, GROUP), dtype=tl.float32)
+        sum3 = tl.zeros((ROWS, GROUPS_PER_PROGRAM, GROUP), dtype=tl.float32)
         for tile in range(TILES):
             rows = (row_block * TILES + tile) * ROWS + tl.arange(0, ROWS)
             row_ok = rows < num_rows
@@ -194,18 +195,18 @@ if triton is not None:
                     mask=row_ok[:, None] & group_ok[None, :],
                 )
                 if tap == 0:
-                    sum0 += tl.sum(product, axis=0)
+                    sum0 += product
                 elif tap == 1:
-                    sum1 += tl.sum(product, axis=0)
+                    sum1 += product
                 elif tap == 2:
-                    sum2 += tl.sum(product, axis=0)
+                    sum2 += product
                 else:
-                    sum3 += tl.sum(product, axis=0)
+                    sum3 += product
         partials = partials_ptr + row_block * TAPS * hidden + columns
-        tl.store(partials, sum0, mask=group_ok[:, None])
+        tl.store(partials, tl.sum(sum0, axis=0), mask=group_ok[:, None])
         if TAPS > 1:
-            tl.store(partials + hidden, sum1, mask=group_ok[:, None])
+            tl.store(partials + hidden, tl.sum(sum1, axis=0), mask=group_ok[:, None])
         if TAPS > 2:
-            tl.store(partials + 2 * hidden, sum2, mask=group_ok[:, None])
+            tl.store(partials + 2 * hidden, tl.sum(sum2, axis=0), mask=group_ok[:, None])
         if TAPS > 3:
-            tl.store(partials + 3 * hidden, sum3, mask=group_ok[:, None])
+            tl.store(partials + 3 * hidden, tl.sum(sum3, axis=0), mask=group_ok[:, None])
