@@ -249,8 +249,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Under no_grad nobody will call backward: skip the gradient matmuls.
         need_hidden_grad = grad_enabled and ctx.needs_input_grad[0]
         need_head_grad = grad_enabled and ctx.needs_input_grad[1]
-        ce_and_grad = _compiled_ce_and_grad() if hidden.is_cuda else _ce_and_grad
-        if not hidden.is_cuda:  # eager: every op of `_ce_and_grad` allocates a [rows, vocab] temporary
+        if hidden.is_cuda:
+            ce_and_grad = _compiled_ce_and_grad()
+        else:  # eager: every op of `_ce_and_grad` allocates a [rows, vocab] temporary
+            ce_and_grad = _ce_and_grad
             chunk_tokens = min(chunk_tokens, max(1, _EAGER_CHUNK_ELEMENTS // head.shape[0]))
         # Equal chunks (at most two sizes), so the compiled part sees few shapes.
         num_chunks = max(1, -(-rows // chunk_tokens))
