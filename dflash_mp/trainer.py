@@ -24,10 +24,11 @@ from dflash_mp.mask_token import mask_token_id
 from dflash_mp.models.drafter import DFLASH2_FIELDS, SCALING_DEFAULTS, DFlashDrafter, build_drafter_config
 from dflash_mp.models.target import load_embedding_and_head
 from dflash_mp.selector_loss import add_selector_stats, pack_selector_totals, selector_metrics
+from dflash_mp.streaming_adamw import StreamingAdamW
 from dflash_mp.transport import Features
 
 # Slots of the packed per-step vector (DrafterTrainer._pack_totals), then correct, count, selector.
-_SCORED, _MICRO_BATCHES = 2, 3  # after the loss sum and the token count
+_LOSS_SUM, _SCORED, _MICRO_BATCHES = 0, 2, 3  # the token count is 1
 _COUNTERS = 9  # ... then sequences, bytes, bad records, too-long records, stop votes
 
 
@@ -127,12 +128,8 @@ class DrafterTrainer:
                 broadcast_buffers=False,
             )
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(
-            self.drafter.parameters(),
-            lr=o.lr,
-            betas=tuple(o.betas),
-            weight_decay=o.weight_decay,
-            fused=device.type == "cuda",
+        self.optimizer = StreamingAdamW(
+            self.drafter.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay
         )
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
@@ -141,6 +138,7 @@ class DrafterTrainer:
         )
         self.step = 0
         self.totals = StepTotals()
+        self._read_back_stream: torch.cuda.Stream | None = None
         self._step_start = time.perf_counter()
 
     # ------------------------------------------------------------------ training
@@ -215,7 +213,9 @@ class DrafterTrainer:
         position and the lr schedule, advances either way.
 
         On GPU the step synchronises with the host once: everything the host decides on (loss,
-        counts, gradient norm, finiteness) is computed on the device and read back in one copy.
+        counts, gradient norm, finiteness) is computed on the device and read back in one copy,
+        and the update, skipped on the device when it does not apply, is queued before that read:
+        the device is never left idle while the host decides.
         """
         cfg = self.cfg
         block = cfg.model.block_size
@@ -233,20 +233,34 @@ class DrafterTrainer:
             norm = factor * torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         gradient_scale = factor * (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        # The step's one host synchronisation.
-        host = torch.cat([packed, norm.reshape(1).to(self.device, torch.float64)]).cpu()
+        # Whether the update applies is decided on the device too (loss tokens, a finite loss and
+        # norm), so AdamW is queued before the host reads anything: the device runs the update
+        # while the host reads the step's numbers and prepares the next step.
+        applies = (packed[_SCORED] > 0) & torch.isfinite(packed[_LOSS_SUM]) & torch.isfinite(norm)
+        lr = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        # The step's one host synchronisation; the copy is queued before the update.
+        read_back = self._start_read_back(
+            torch.cat([packed, norm.reshape(1), applies.reshape(1).to(torch.float64)])
+        )
+        if grads:
+            self.optimizer.step(grad_multiplier=gradient_scale, applies=applies)
+        host = read_back()
         loss_sum, tokens, scored, micro_batches, sequences, nbytes, bad, too_long, stops = host[
             :_COUNTERS
         ].tolist()
         self.stop_agreed = stops > 0  # any drafter asked: all stop after this same step
         correct, count = host[_COUNTERS : _COUNTERS + block], host[_COUNTERS + block : _COUNTERS + 2 * block]
+        applied = bool(host[-1])
+        if not applied:
+            self.optimizer.uncount_last_step()
 
-        lr = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio)
         loss, grad_norm, skip_reason = None, 0.0, None
         if scored == 0:
             skip_reason = "no_loss_tokens"
         else:
-            grad_norm = float(host[-1])
+            grad_norm = float(host[-2])
             loss = loss_sum / scored
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 if cfg.train.on_nonfinite == "stop":
@@ -255,10 +269,11 @@ class DrafterTrainer:
                         "set train.on_nonfinite=skip to skip such steps, or lower optim.lr"
                     )
                 skip_reason = "nonfinite"
-        if skip_reason is None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self._step_scaled(grads, gradient_scale)
+        if applied != (skip_reason is None):  # the device's rule and the host's must agree
+            raise RuntimeError(
+                f"step {self.step + 1}: the device {'applied' if applied else 'skipped'} "
+                f"the update, the host says {skip_reason or 'apply'}"
+            )
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
 
@@ -281,26 +296,33 @@ class DrafterTrainer:
             "step_time_s": elapsed,
         }
         if self.drafter.arch == "dflash2":
-            record.update(selector_metrics(host[_COUNTERS + 2 * block : -1], count, scored))
+            record.update(selector_metrics(host[_COUNTERS + 2 * block : -2], count, scored))
         record.update(extra or {})
         self.totals = StepTotals()
         return record
 
-    def _step_scaled(self, grads: list[torch.Tensor], scale: torch.Tensor) -> None:
-        """AdamW on `scale` x the gradients. Fused AdamW divides the gradients by its `grad_scale`
-        inside its own kernel (the hook AMP's GradScaler uses), which saves a pass over ~4 GB of
-        gradients at 1B parameters; elsewhere they are multiplied first."""
-        if not grads:
-            return
-        if self.optimizer.defaults.get("fused"):
-            self.optimizer.grad_scale = scale.reciprocal().float()
-            try:
-                self.optimizer.step()
-            finally:
-                del self.optimizer.grad_scale
-            return
-        torch._foreach_mul_(grads, scale.to(grads[0].dtype))
-        self.optimizer.step()
+    def _start_read_back(self, values: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Queue `values`' copy to the host; the returned function waits for it.
+
+        On CUDA the copy runs on a side stream after what the current stream has queued so far, so
+        waiting for it does not wait for work queued later (AdamW's update).
+        """
+        if values.device.type != "cuda":
+            return lambda: values
+        if self._read_back_stream is None:
+            self._read_back_stream = torch.cuda.Stream(values.device)
+        stream = self._read_back_stream
+        stream.wait_stream(torch.cuda.current_stream(values.device))
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            host.copy_(values, non_blocking=True)
+        values.record_stream(stream)  # its memory is not reused before the copy ran
+
+        def wait() -> torch.Tensor:
+            stream.synchronize()
+            return host
+
+        return wait
 
     def _pack_totals(self) -> torch.Tensor:
         """Every per-step number in one float64 vector on the device (one all-reduce, one read):

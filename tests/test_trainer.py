@@ -29,11 +29,22 @@ def _micro_batch(cfg):
     return features_of(batch, hidden_states_for_drafter(extractor, batch, torch.float32, torch.device("cpu")))
 
 
+# cuda: the update is queued before the read-back and skipped on the device (StreamingAdamW)
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("policy", ["skip", "stop"])
-def test_a_non_finite_loss_skips_the_step_or_stops_naming_it(policy):
+def test_a_non_finite_loss_skips_the_step_or_stops_naming_it(policy, device):
     cfg = to_dataclass(compose_config(["train.max_steps=4", f"train.on_nonfinite={policy}"]))
-    trainer = DrafterTrainer(cfg, torch.device("cpu"), total_steps=4)
-    batch = _micro_batch(cfg)
+    trainer = DrafterTrainer(cfg, torch.device(device), total_steps=4)
+    batch = _batch_on(_micro_batch(cfg), device, trainer.hidden_dtype)
     trainer.micro_step(batch, last_of_step=True)
     assert not trainer.optimizer_step()["skipped"]
     before = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
@@ -48,6 +59,7 @@ def test_a_non_finite_loss_skips_the_step_or_stops_naming_it(policy):
     for name, value in trainer.drafter.state_dict().items():
         assert torch.equal(value, before[name]), name
     assert all(p.grad is None for p in trainer.drafter.parameters())
+    assert all(float(s["step"]) == 1 for s in trainer.optimizer.state.values())  # AdamW's count too
 
 
 def test_wandb_runs_offline_and_never_writes_the_api_key(tmp_path, monkeypatch):
@@ -106,15 +118,16 @@ def test_an_empty_micro_batch_adds_exactly_zero_gradient_and_does_not_dilute_the
         assert torch.equal(value, expected[name]), name
 
 
-def test_a_step_without_loss_tokens_leaves_weights_and_optimizer_alone():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_without_loss_tokens_leaves_weights_and_optimizer_alone(device):
     cfg = to_dataclass(compose_config(["train.max_steps=4", "train.micro_batch_size=2"]))
-    trainer = DrafterTrainer(cfg, torch.device("cpu"), total_steps=4)
+    trainer = DrafterTrainer(cfg, torch.device(device), total_steps=4)
     batch = _micro_batch(cfg)
-    trainer.micro_step(batch, last_of_step=True)
+    trainer.micro_step(_batch_on(batch, device, trainer.hidden_dtype), last_of_step=True)
     trainer.optimizer_step()  # AdamW now has momentum that a zero gradient would still apply
     weights = {k: v.clone() for k, v in trainer.drafter.state_dict().items()}
     adam_steps = [s["step"].clone() for s in trainer.optimizer.state.values()]
-    trainer.micro_step(_empty_like(batch), last_of_step=True)
+    trainer.micro_step(_batch_on(_empty_like(batch), device, trainer.hidden_dtype), last_of_step=True)
     record = trainer.optimizer_step()
     assert record["skipped"] and record["skip_reason"] == "no_loss_tokens" and record["loss"] is None
     assert record["step"] == 2 and record["bad_records"] == 1 and record["micro_batches_without_loss"] == 1
@@ -186,7 +199,7 @@ def _batch_on(batch, device, dtype):
 
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-)  # cuda: fused AdamW takes the multiplier as its grad_scale
+)  # cuda: the Triton pass multiplies inside its update
 @pytest.mark.parametrize("grad_clip", [0.0, 1e-3])
 def test_the_step_is_adamw_on_the_clipped_gradient(grad_clip, device):
     """The rescale and the clip reach AdamW as one multiplier; the update must equal AdamW on
