@@ -250,6 +250,12 @@ def profile_lines(section: dict) -> list[str]:
     for phase, ms in section["phases_ms_per_step"].items():
         share = section["phases_share"].get(phase)
         lines.append(f"  {phase:<24} {ms:9.2f} ms  {_fmt(share, '.1%'):>6}")
+    gaps = section.get("idle_gaps")
+    if gaps:
+        lines.append(
+            f"  idle between kernels: {gaps['all_ms_per_step']:.2f} ms in {gaps['count_per_step']:.0f} gaps, "
+            f"{gaps['over_50us_ms_per_step']:.2f} ms of it in {gaps['over_50us_count_per_step']:.0f} over 50 us"
+        )
     lines.append("  top kernels by device time (ms/step, calls/step, phase):")
     for kernel in section.get("top_kernels") or []:
         lines.append(

@@ -194,6 +194,11 @@ def phase_breakdown(events, cuda: bool, steps: int, top_kernels: int = TOP_KERNE
     # Kernels the profiler could not tie to a launching operator stay in the total, as "other".
     per_phase["other"] += max(0.0, total - linked)
     top = sorted(per_kernel.items(), key=lambda item: -item[1][0])[:top_kernels]
+    device_work = [
+        e
+        for e in ordered
+        if e.device_type != DeviceType.CPU and not (e.is_user_annotation or e.name in annotations)
+    ]
     return {
         "device": "cuda" if cuda else "cpu",
         "device_time_kind": "sum of CUDA kernel durations" if cuda else "sum of CPU operator self times",
@@ -212,6 +217,39 @@ def phase_breakdown(events, cuda: bool, steps: int, top_kernels: int = TOP_KERNE
             for name, (us, calls, phases) in top
         ],
         "rule": "see bench/sections/profile.py's docstring",
+        "idle_gaps": _idle_gaps(device_work, per_kernel, steps) if cuda else None,
+    }
+
+
+def _idle_gaps(device_work, per_kernel: dict[str, list], steps: int, largest: int = 8) -> dict:
+    """Where the device waited: the gaps between its kernels, and the kernels after the largest.
+
+    Gaps of a few microseconds are launch latency between queued kernels; long ones are the device
+    waiting for the host (a read-back, or launches slower than the kernels they launch).
+    """
+    gaps: list[tuple[float, str]] = []
+    busy_until = None
+    for event in device_work:  # ordered by start
+        start, end = event.time_range.start, event.time_range.end
+        if busy_until is not None and start > busy_until:
+            gaps.append((start - busy_until, event.name))
+        busy_until = end if busy_until is None else max(busy_until, end)
+    long = [gap for gap in gaps if gap[0] >= 50]
+    return {
+        "all_ms_per_step": sum(us for us, _ in gaps) / steps / 1e3,
+        "count_per_step": len(gaps) / steps,
+        "over_50us_ms_per_step": sum(us for us, _ in long) / steps / 1e3,
+        "over_50us_count_per_step": len(long) / steps,
+        "largest": [
+            {
+                "us": us,
+                "next_kernel": name[:120],
+                "next_phase": max(per_kernel[name][2], key=per_kernel[name][2].get)
+                if name in per_kernel
+                else None,
+            }
+            for us, name in sorted(gaps, reverse=True)[:largest]
+        ],
     }
 
 
