@@ -162,7 +162,7 @@ def test_a_warm_drafter_step_synchronises_with_the_host_once():
         compose_config(["train.max_steps=8", "train.grad_accum=2", "train.micro_batch_size=2"])
     )
     device = torch.device("cuda")
-    trainer = DrafterTrainer(cfg, device, total_steps=8)  # compiled, flex attention, fused AdamW
+    trainer = DrafterTrainer(cfg, device, total_steps=8)  # compiled, flex attention, the Triton AdamW
     batch = _batch_on(_micro_batch(cfg), device, trainer.hidden_dtype)
 
     def step() -> dict:
