@@ -167,31 +167,10 @@ def streaming_adamw_pass(
     have no known alignment, and the unvectorised pass ran 2.6x slower on an H200 (19.8 vs 7.5 ms).
     """
     rows = zip(params, grads, exp_avgs, exp_avg_sqs, hyper.tolist(), strict=True)
-    for param, grad, exp_avg, exp_avg_sq, (
-        decay,
-        beta1,
-        beta2,
-        eps,
-        step_size,
-        bias_correction2_sqrt,
-    ) in rows:
+    for param, grad, exp_avg, exp_avg_sq, row in rows:  # `row` in the kernel's argument order
         numel = param.numel()
         _adamw_pass[(triton.cdiv(numel, _TILE),)](
-            param,
-            grad,
-            exp_avg,
-            exp_avg_sq,
-            multiplier,
-            applies,
-            numel,
-            decay,
-            beta1,
-            beta2,
-            eps,
-            step_size,
-            bias_correction2_sqrt,
-            TILE=_TILE,
-            num_warps=8,
+            param, grad, exp_avg, exp_avg_sq, multiplier, applies, numel, *row, TILE=_TILE, num_warps=8
         )
 
 
