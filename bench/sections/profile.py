@@ -168,10 +168,12 @@ def phase_breakdown(events, cuda: bool, steps: int, top_kernels: int = TOP_KERNE
     # record_function ranges also appear on the device timeline (gpu_user_annotation): not work.
     annotations = {e.name for e in ordered if e.device_type == DeviceType.CPU and e.is_user_annotation}
     total = linked = 0.0
+    device_work = []  # the device's own records of its work, in start order
     for event in ordered:
         if event.device_type != DeviceType.CPU:
             if cuda and not (event.is_user_annotation or event.name in annotations):
                 total += event.time_range.elapsed_us()
+                device_work.append(event)
             continue
         if event.is_async:
             continue
@@ -194,11 +196,6 @@ def phase_breakdown(events, cuda: bool, steps: int, top_kernels: int = TOP_KERNE
     # Kernels the profiler could not tie to a launching operator stay in the total, as "other".
     per_phase["other"] += max(0.0, total - linked)
     top = sorted(per_kernel.items(), key=lambda item: -item[1][0])[:top_kernels]
-    device_work = [
-        e
-        for e in ordered
-        if e.device_type != DeviceType.CPU and not (e.is_user_annotation or e.name in annotations)
-    ]
     return {
         "device": "cuda" if cuda else "cpu",
         "device_time_kind": "sum of CUDA kernel durations" if cuda else "sum of CPU operator self times",
@@ -229,7 +226,7 @@ def _idle_gaps(device_work, per_kernel: dict[str, list], steps: int, largest: in
     """
     gaps: list[tuple[float, str]] = []
     busy_until = None
-    for event in device_work:  # ordered by start
+    for event in device_work:
         start, end = event.time_range.start, event.time_range.end
         if busy_until is not None and start > busy_until:
             gaps.append((start - busy_until, event.name))
