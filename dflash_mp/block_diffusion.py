@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from dflash_mp.block_mask import dense_block_mask, flex_block_mask
+from dflash_mp.fused_ce import ce_and_grad_in_place, fused_ce_runs_on
 from dflash_mp.selector_loss import SelectorStats, TopK, selector_loss
 from dflash_mp.top_k import top_k_ids
 
@@ -249,8 +250,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Under no_grad nobody will call backward: skip the gradient matmuls.
         need_hidden_grad = grad_enabled and ctx.needs_input_grad[0]
         need_head_grad = grad_enabled and ctx.needs_input_grad[1]
-        if hidden.is_cuda:
-            ce_and_grad = _compiled_ce_and_grad()
+        if hidden.is_cuda:  # two Triton passes, the gradient over the logits; else inductor's
+            ce_and_grad = ce_and_grad_in_place if fused_ce_runs_on(hidden.device) else _compiled_ce_and_grad()
         else:  # eager: every op of `_ce_and_grad` allocates a [rows, vocab] temporary
             ce_and_grad = _ce_and_grad
             chunk_tokens = min(chunk_tokens, max(1, _EAGER_CHUNK_ELEMENTS // head.shape[0]))

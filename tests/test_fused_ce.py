@@ -1,0 +1,71 @@
+"""The fused CE passes against `_ce_and_grad`, the expressions they replace."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dflash_mp import fused_ce
+from dflash_mp.block_diffusion import _ce_and_grad
+
+# The kernels run on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    fused_ce.triton is None or (DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="needs Triton on CUDA, or TRITON_INTERPRET=1",
+)
+
+
+def _chunk(rows: int, vocab: int, dtype: torch.dtype, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=generator) * 4).to(dtype)
+    labels = torch.randint(0, vocab, (rows,), generator=generator)
+    scale = torch.rand(rows, generator=generator)
+    scale[1] = 0.0  # a row that does not count
+    # Ties for the maximum: row 0 has it at two places, the earlier one past the first tile.
+    logits[0, 4200] = logits[0, 4900] = 100.0
+    labels[0] = 4200
+    labels[2] = int(logits[2].float().argmax())  # a row it gets right
+    return logits.to(DEVICE), labels.to(DEVICE), scale.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("multiplier", "softcap"), [(1.0, None), (0.25, 30.0)])
+def test_loss_gradient_and_argmax_equal_the_expressions(dtype, multiplier, softcap) -> None:
+    # 4096 columns a tile: 6001 columns are a whole tile and a ragged one.
+    logits, labels, scale = _chunk(5, 6001, dtype)
+    loss, grad, correct = _ce_and_grad(logits.clone(), labels, scale, multiplier, softcap)
+    fused_loss, fused_grad, fused_correct = fused_ce.ce_and_grad_in_place(
+        logits, labels, scale, multiplier, softcap
+    )
+    assert fused_grad.data_ptr() == logits.data_ptr() and fused_grad.dtype == dtype  # overwritten
+    torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-5)
+    # One rounding of the same fp32 value: a bf16 gradient may differ by its last bit.
+    tolerance = {"rtol": 1e-2, "atol": 1e-6} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-7}
+    torch.testing.assert_close(fused_grad.float(), grad.float(), **tolerance)
+    assert torch.equal(fused_correct, correct)
+    assert fused_correct[0] and fused_correct[2]  # the tie resolves to the first index, as argmax
+    assert not fused_grad[1].any()  # zero scale, zero gradient
+
+
+def test_a_non_finite_logit_makes_the_loss_non_finite() -> None:
+    # The trainer skips a step whose loss is not finite: the pass must not hide a NaN.
+    logits, labels, scale = _chunk(3, 5000, torch.bfloat16, seed=1)
+    logits[1, 17] = float("nan")
+    loss, _, _ = fused_ce.ce_and_grad_in_place(logits, labels, scale)
+    assert not torch.isfinite(loss)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_at_qwen3_vocab_it_equals_the_compiled_expressions() -> None:
+    from dflash_mp.block_diffusion import _compiled_ce_and_grad
+
+    logits, labels, scale = _chunk(64, 151936, torch.bfloat16, seed=2)
+    loss, grad, correct = _compiled_ce_and_grad()(logits.clone(), labels, scale)
+    fused_loss, fused_grad, fused_correct = fused_ce.ce_and_grad_in_place(logits, labels, scale)
+    torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_grad.float(), grad.float(), rtol=1e-2, atol=1e-6)
+    assert torch.equal(fused_correct, correct)
