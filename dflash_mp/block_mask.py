@@ -11,6 +11,7 @@ create_block_mask).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -66,25 +67,39 @@ FLEX_TILE = 128
 
 
 def _tiles_to_ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
-    """[B, Qt, KVt] bool -> (count [B,1,Qt], indices [B,1,Qt,KVt]) int32, the listed tiles first."""
+    """[B, rows, columns] bool -> (count [B,1,rows], indices [B,1,rows,columns]) int32, listed tiles
+    first: flex's ordered form (as its `_dense_to_ordered`)."""
     count = tiles.sum(-1, dtype=torch.int32)
     indices = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
     return count[:, None].contiguous(), indices[:, None].contiguous()
 
 
-def flex_block_mask(
+class FlexTiles(NamedTuple):
+    """A BlockMask's tile lists, key tiles per query tile and (for the backward) query tiles per
+    key tile, for the partial and the full tiles: tensors only, so a compiled graph can return them."""
+
+    kv_count: Tensor
+    kv_indices: Tensor
+    full_kv_count: Tensor
+    full_kv_indices: Tensor
+    q_count: Tensor
+    q_indices: Tensor
+    full_q_count: Tensor
+    full_q_indices: Tensor
+
+
+def flex_mask_tiles(
     anchors: Tensor, context_len: int, block_size: int, window: int | None = None
-) -> BlockMask:
-    """The block-sparse mask as a flex_attention BlockMask (heads broadcast), built tile by tile.
+) -> FlexTiles:
+    """The block-sparse mask's tiles (see `flex_block_mask`), classified from the anchors alone.
 
     The mask's structure is known, so each (query tile, key tile) is classified from the anchors
     alone: a context tile is *full* when every query's anchor lies beyond it, *empty* when none
     does; block-token tiles are partial where the query and key block ranges meet. That is a few
     small tensor ops, instead of evaluating mask_mod on all Q x (S+Q) pairs as create_block_mask
     does (compiled, that took 155 s of cold start on an H200; eager, it materialises the pairs).
-    Partial tiles apply `block_mask_mod` element by element, so the result is exact. With a
-    `window`, a context tile is full only if also every query lies within the window of every key,
-    and listed at all only if some query can reach its last key.
+    With a `window`, a context tile is full only if also every query lies within the window of
+    every key, and listed at all only if some query can reach its last key.
     """
     batch, num_anchors = anchors.shape
     num_queries = num_anchors * block_size
@@ -120,14 +135,39 @@ def flex_block_mask(
     )
     full = all_context
     partial = (sees_context | sees_blocks) & ~full
-    kv_count, kv_indices = _tiles_to_ordered(partial)
-    full_count, full_indices = _tiles_to_ordered(full)
-    return BlockMask.from_kv_blocks(
-        kv_count,
-        kv_indices,
-        full_count,
-        full_indices,
-        BLOCK_SIZE=FLEX_TILE,
-        mask_mod=block_mask_mod(anchors, context_len, block_size, window),
-        seq_lengths=(num_queries, num_keys),
+    # Both orientations here, so that BlockMask need not transpose them again.
+    return FlexTiles(
+        *_tiles_to_ordered(partial),
+        *_tiles_to_ordered(full),
+        *_tiles_to_ordered(partial.transpose(-2, -1)),
+        *_tiles_to_ordered(full.transpose(-2, -1)),
     )
+
+
+def flex_mask_from_tiles(
+    tiles: FlexTiles, anchors: Tensor, context_len: int, block_size: int, window: int | None = None
+) -> BlockMask:
+    """The BlockMask of `flex_mask_tiles`' tiles; partial tiles apply `block_mask_mod` element by
+    element, so the mask is exact."""
+    num_queries = anchors.shape[1] * block_size
+    return BlockMask(
+        seq_lengths=(num_queries, context_len + num_queries),
+        kv_num_blocks=tiles.kv_count,
+        kv_indices=tiles.kv_indices,
+        full_kv_num_blocks=tiles.full_kv_count,
+        full_kv_indices=tiles.full_kv_indices,
+        q_num_blocks=tiles.q_count,
+        q_indices=tiles.q_indices,
+        full_q_num_blocks=tiles.full_q_count,
+        full_q_indices=tiles.full_q_indices,
+        BLOCK_SIZE=(FLEX_TILE, FLEX_TILE),
+        mask_mod=block_mask_mod(anchors, context_len, block_size, window),
+    )
+
+
+def flex_block_mask(
+    anchors: Tensor, context_len: int, block_size: int, window: int | None = None
+) -> BlockMask:
+    """The block-sparse mask as a flex_attention BlockMask (heads broadcast), built tile by tile."""
+    tiles = flex_mask_tiles(anchors, context_len, block_size, window)
+    return flex_mask_from_tiles(tiles, anchors, context_len, block_size, window)

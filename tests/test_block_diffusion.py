@@ -12,16 +12,13 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
 from dflash_mp.block_diffusion import (
-    block_inputs,
-    block_labels,
     chunked_lm_head_loss,
-    context_positions,
     decay_weighted_ce,
     drafter_loss,
     per_position_accuracy,
-    sample_anchors,
 )
 from dflash_mp.block_mask import block_mask_mod, dense_block_mask, flex_block_mask
+from dflash_mp.draft_blocks import block_inputs, block_labels, context_positions, sample_anchors
 
 VOCAB, HIDDEN, NUM_FEATURE_LAYERS, BLOCK, MASK_ID = 50, 32, 2, 4, 49
 

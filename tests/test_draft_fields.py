@@ -24,17 +24,11 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 from transformers import Qwen3Config
 
-from dflash_mp.block_diffusion import (
-    block_inputs,
-    block_labels,
-    chunked_lm_head_loss,
-    decay_weighted_ce,
-    drafter_loss,
-    sample_anchors,
-)
+from dflash_mp.block_diffusion import chunked_lm_head_loss, decay_weighted_ce, drafter_loss
 from dflash_mp.block_mask import block_mask_mod, dense_block_mask, flex_block_mask
 from dflash_mp.config import ConfigError
 from dflash_mp.decoding import _propose, speculative_generate
+from dflash_mp.draft_blocks import block_inputs, block_labels, sample_anchors
 from dflash_mp.evaluation import load_eval_prompts, stop_token_ids
 from dflash_mp.export import export_drafter, load_exported_drafter
 from dflash_mp.models import drafter as drafter_module

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from dflash_mp.block_diffusion import block_labels, lm_head_loss_and_candidates
+from dflash_mp.block_diffusion import lm_head_loss_and_candidates
+from dflash_mp.draft_blocks import block_labels
 from dflash_mp.models.dflash2 import CandidateSelector
 from dflash_mp.models.drafter import scale_logits
 from dflash_mp.selector_loss import candidate_logits, pack_selector_totals, selector_loss, selector_metrics

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dflash_mp.block_diffusion import block_labels, sample_anchors
 from dflash_mp.config import RootConfig
 from dflash_mp.data import MicroBatch
+from dflash_mp.draft_blocks import block_labels, sample_anchors
 from dflash_mp.models.target import TargetFeatureExtractor
 
 from .shapes import Shape
