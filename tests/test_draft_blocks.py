@@ -81,8 +81,9 @@ def test_the_preparation_traces_as_one_graph_with_the_eager_result(window) -> No
     eager = draft_blocks(batch, attention="flex", window=window, **ARGS)
     traced = torch.compile(blocks_module._block_tensors, backend="eager", fullgraph=True)
     decay = blocks_module.loss_decay(BLOCK, ARGS["gamma"])
+    stream = blocks_module.epoch_stream(ARGS["seed"], batch.epoch)
     anchors, ids, positions, labels, weights, tiles, window_tiles = traced(
-        batch.input_ids, batch.loss_mask, batch.lengths, batch.sample_ids, batch.epoch, ARGS["seed"],
+        batch.input_ids, batch.loss_mask, batch.lengths, batch.sample_ids, stream, torch.arange(300),
         ARGS["num_anchors"], BLOCK, MASK_ID, decay, window,
     )  # fmt: skip
     mask = blocks_module.flex_mask_from_tiles(tiles, anchors, 300, BLOCK)
