@@ -231,7 +231,8 @@ def _run_role(cfg, job, run_dir: Path) -> None:
             return
         if evaluator is not None and (record["step"] % cfg.eval.every == 0 or record["step"] == steps):
             watchdog.beat("eval", trainer.step)
-            record["tau"] = evaluator(trainer.drafter)["tau"]
+            with trainer.full_precision_weights():
+                record["tau"] = evaluator(trainer.drafter)["tau"]
             trainer.restart_step_clock()  # evaluation time is not training throughput
         metrics.log(record)
         if checkpoint_due(record["step"]):

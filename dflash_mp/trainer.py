@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -24,8 +24,9 @@ from dflash_mp.mask_token import mask_token_id
 from dflash_mp.models.drafter import DFLASH2_FIELDS, SCALING_DEFAULTS, DFlashDrafter, build_drafter_config
 from dflash_mp.models.target import load_embedding_and_head
 from dflash_mp.selector_loss import add_selector_stats, pack_selector_totals, selector_metrics
-from dflash_mp.streaming_adamw import StreamingAdamW
+from dflash_mp.streaming_adamw import StreamingAdamW, triton
 from dflash_mp.transport import Features
+from dflash_mp.working_weights import WorkingWeights
 
 # Slots of the packed per-step vector (DrafterTrainer._pack_totals), then correct, count, selector.
 _LOSS_SUM, _SCORED, _MICRO_BATCHES = 0, 2, 3  # the token count is 1
@@ -99,10 +100,14 @@ class DrafterTrainer:
         drafter: DFlashDrafter | None = None,
         embed_and_head: tuple[torch.Tensor, torch.Tensor] | None = None,
         stop_requested: Callable[[], bool] | None = None,
+        working_weights: bool | None = None,
     ) -> None:
         """`drafter` and `embed_and_head` default to what cfg.model describes (benchmarks pass their own).
         `stop_requested()` says whether this rank was asked to stop (SIGTERM/SIGUSR1): each optimizer
-        step agrees on it over the drafter group (`stop_agreed`) in the all-reduce it makes anyway."""
+        step agrees on it over the drafter group (`stop_agreed`) in the all-reduce it makes anyway.
+        `working_weights`: bf16 working copies of the matmul weights with fp32 masters
+        (`dflash_mp.working_weights`); by default where the step runs under bf16 autocast with the
+        Triton optimizer pass, i.e. on CUDA."""
         self.cfg = cfg
         self.stop_requested = stop_requested or (lambda: False)
         self.stop_agreed = False
@@ -117,6 +122,11 @@ class DrafterTrainer:
             )
         embed, head = embed_and_head
         self.embed_weight, self.head_weight = embed.requires_grad_(False), head.requires_grad_(False)
+        if working_weights is None:
+            working_weights = (
+                device.type == "cuda" and self.hidden_dtype == torch.bfloat16 and triton is not None
+            )
+        self.working = WorkingWeights(self.drafter) if working_weights else None
         if compile_drafter:
             self.drafter.compile_layers()
         self.model: nn.Module = self.drafter
@@ -127,13 +137,21 @@ class DrafterTrainer:
                 device_ids=[device.index] if device.type == "cuda" else None,
                 broadcast_buffers=False,
             )
+            if self.working is not None:  # gradients reduced in fp32, as with fp32 weights
+                self.model.register_comm_hook(group, self.working.fp32_allreduce_hook)
         o = cfg.optim
+        params = list(self.drafter.parameters())
         self.optimizer = StreamingAdamW(
-            self.drafter.parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay
+            params if self.working is None else self.working.optimizer_parameters(params),
+            lr=o.lr,
+            betas=tuple(o.betas),
+            weight_decay=o.weight_decay,
+            working=None if self.working is None else self.working.working_of,
         )
+        # bf16 working weights only compute under autocast (fp32 norms meet bf16 matmuls there).
         self.autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if device.type == "cuda" and self.hidden_dtype == torch.bfloat16
+            torch.autocast(device.type, dtype=torch.bfloat16)
+            if self.working is not None or (device.type == "cuda" and self.hidden_dtype == torch.bfloat16)
             else nullcontext()
         )
         self.step = 0
@@ -170,6 +188,10 @@ class DrafterTrainer:
             if empty:
                 loss = loss * 0.0
             (loss / accumulation).backward()
+        if self.working is not None:
+            self.working.after_backward(
+                last_of_step, isinstance(self.model, nn.parallel.DistributedDataParallel)
+            )
         t = self.totals
         t.losses.append(loss.detach().float())
         # Stays a tensor (no host sync): whether this micro-batch had any loss token.
@@ -226,11 +248,14 @@ class DrafterTrainer:
         # Micro-batches without loss tokens do not dilute the step (factor 1.0 when all had some),
         # and clipping bounds the norm of the rescaled gradient. Both become one multiplier that
         # stays on the device, so nothing here waits for the host.
-        grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
+        grads = self.optimizer.gradients()
         factor = packed[_MICRO_BATCHES] / packed[_SCORED].clamp_min(1)
         norm = torch.zeros((), dtype=torch.float64, device=self.device)
         if grads:
-            norm = factor * torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).double())
+            # bf16 gradients (working weights) are summed in fp32 and give fp32 norms.
+            wide = all(g.dtype == torch.float32 for g in grads)
+            norms = torch._foreach_norm(grads) if wide else torch._foreach_norm(grads, 2, dtype=torch.float32)
+            norm = factor * torch.linalg.vector_norm(torch.stack(norms).double())
         max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         gradient_scale = factor * (max_norm / (norm + 1e-6)).clamp(max=1.0)
         # Whether the update applies is decided on the device too (loss tokens, a finite loss and
@@ -358,6 +383,11 @@ class DrafterTrainer:
                 pack_selector_totals(t.selector, block, device, self.drafter.arch == "dflash2"),
             ]
         )
+
+    def full_precision_weights(self) -> AbstractContextManager:
+        """Inside, the drafter computes with fp32 weights (its masters where it has working copies):
+        for evaluation, which runs without autocast."""
+        return nullcontext() if self.working is None else self.working.masters_in_place()
 
     def restart_step_clock(self) -> None:
         """Start timing the next step now (after work that is not training, e.g. an evaluation)."""

@@ -123,6 +123,7 @@ def test_the_triton_pass_is_adamw_in_float64_to_float32_rounding() -> None:
             step_grads,
             [m for m, _ in states],
             [v for _, v in states],
+            params,  # no working copies
             torch.tensor(hyper),
             multiplier,
             torch.ones(1, device=KERNEL_DEVICE),
@@ -145,12 +146,62 @@ def test_the_triton_pass_is_adamw_in_float64_to_float32_rounding() -> None:
         grads[0],
         [m for m, _ in states],
         [v for _, v in states],
+        params,
         torch.tensor(hyper),
         multiplier,
         torch.zeros(1, device=KERNEL_DEVICE),
     )
     after = params + [m for m, _ in states] + [v for _, v in states]
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+@needs_kernel
+def test_with_working_copies_the_pass_reads_bf16_gradients_and_writes_the_copies() -> None:
+    # Against the same pass on the widened gradients: the masters bit for bit, the copies their rounding.
+    params, grads = _problem(KERNEL_DEVICE, seed=5)
+    wide, narrow = [p.clone() for p in params], [p.clone() for p in params]
+    copies = [p.bfloat16() for p in params]
+    moments = {name: [[torch.zeros_like(p) for p in params] for _ in range(2)] for name in ("wide", "narrow")}
+    hyper = torch.tensor([[1 - 3e-4, 0.9, 0.95, 1e-8, 3e-3 / 0.1, 0.05**0.5]] * len(params))
+    one = torch.ones(1, device=KERNEL_DEVICE)
+    for step_grads in grads[:2]:
+        narrow_grads = [g.bfloat16() for g in step_grads]
+        streaming_adamw.streaming_adamw_pass(
+            wide, [g.float() for g in narrow_grads], *moments["wide"], wide, hyper, one * 0.5, one
+        )
+        streaming_adamw.streaming_adamw_pass(
+            narrow, narrow_grads, *moments["narrow"], copies, hyper, one * 0.5, one
+        )
+    for master, reference, working in zip(narrow, wide, copies, strict=True):
+        assert torch.equal(master, reference)
+        assert working.dtype == torch.bfloat16
+        if KERNEL_DEVICE == "cuda":  # round to nearest even, as torch; Triton's interpreter truncates
+            assert torch.equal(working, reference.bfloat16())
+        else:
+            torch.testing.assert_close(working.float(), reference, rtol=2**-7, atol=0)
+
+
+def test_masters_of_working_copies_step_as_adamw_on_the_widened_gradients() -> None:
+    # CPU: torch's AdamW on the masters, then the copies rounded from them.
+    params, grads = _problem("cpu", seed=6)
+    masters = [p.clone() for p in params]
+    copies = [p.bfloat16().requires_grad_() for p in params]
+    theirs = [p.clone().requires_grad_() for p in params]
+    optimizer = StreamingAdamW(
+        masters, **HYPER, working={id(m): c for m, c in zip(masters, copies, strict=True)}
+    )
+    reference = torch.optim.AdamW(theirs, **HYPER)
+    for step_grads in grads:
+        for working, q, g in zip(copies, theirs, step_grads, strict=True):
+            working.grad = g.bfloat16()
+            q.grad = g.bfloat16().float() * 0.5
+        assert [g.dtype for g in optimizer.gradients()] == [torch.bfloat16] * len(params)
+        optimizer.step(grad_multiplier=torch.tensor(0.5))
+        reference.step()
+        optimizer.zero_grad()
+        assert all(c.grad is None and m.grad is None for c, m in zip(copies, masters, strict=True))
+    for master, q, working in zip(masters, theirs, copies, strict=True):
+        assert torch.equal(master, q) and torch.equal(working, q.detach().bfloat16())
 
 
 @pytest.mark.gpu

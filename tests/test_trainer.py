@@ -209,10 +209,16 @@ def test_the_step_is_adamw_on_the_clipped_gradient(grad_clip, device):
     cfg = to_dataclass(compose_config(["train.max_steps=4", f"optim.grad_clip={grad_clip}"]))
     trainer = DrafterTrainer(cfg, torch.device(device), total_steps=4)
     trainer.micro_step(_batch_on(_micro_batch(cfg), device, trainer.hidden_dtype), last_of_step=True)
-    params = [p for p in trainer.drafter.parameters() if p.grad is not None]
+    # What the optimizer updates: the parameters, or on CUDA the fp32 masters of the bf16 working
+    # weights, whose gradients are their copies' (bf16 matmul results either way).
+    optimizer = trainer.optimizer
+    params = [
+        p for group in optimizer.param_groups for p in group["params"] if optimizer.gradient(p) is not None
+    ]
+    assert all(p.dtype == torch.float32 for p in params)
     shadow = [p.detach().clone().requires_grad_(True) for p in params]
     for copy, param in zip(shadow, params, strict=True):
-        copy.grad = param.grad.clone()
+        copy.grad = optimizer.gradient(param).float().clone()
     expected_norm = float(torch.nn.utils.clip_grad_norm_(shadow, grad_clip if grad_clip > 0 else math.inf))
     o = cfg.optim
     lr = lr_at(0, 4, o.lr, o.warmup_ratio, o.min_lr_ratio)
@@ -223,6 +229,8 @@ def test_the_step_is_adamw_on_the_clipped_gradient(grad_clip, device):
     assert grad_clip == 0 or expected_norm > grad_clip  # when set, the clip did act
     for copy, param in zip(shadow, params, strict=True):
         torch.testing.assert_close(param.detach(), copy.detach(), rtol=1e-5, atol=1e-7)
+    if trainer.working is not None:  # the working copies were written from the updated masters
+        assert all(torch.equal(p.detach(), m.bfloat16()) for p, m in trainer.working.master_of.items())
 
 
 def _stop_vote(rank: int, port: int, results) -> None:
