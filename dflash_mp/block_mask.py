@@ -11,7 +11,6 @@ create_block_mask).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -74,32 +73,19 @@ def _tiles_to_ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
     return count[:, None].contiguous(), indices[:, None].contiguous()
 
 
-class FlexTiles(NamedTuple):
-    """A BlockMask's tile lists, key tiles per query tile and (for the backward) query tiles per
-    key tile, for the partial and the full tiles: tensors only, so a compiled graph can return them."""
-
-    kv_count: Tensor
-    kv_indices: Tensor
-    full_kv_count: Tensor
-    full_kv_indices: Tensor
-    q_count: Tensor
-    q_indices: Tensor
-    full_q_count: Tensor
-    full_q_indices: Tensor
-
-
-def flex_mask_tiles(
+def flex_block_mask(
     anchors: Tensor, context_len: int, block_size: int, window: int | None = None
-) -> FlexTiles:
-    """The block-sparse mask's tiles (see `flex_block_mask`), classified from the anchors alone.
+) -> BlockMask:
+    """The block-sparse mask as a flex_attention BlockMask (heads broadcast), built tile by tile.
 
     The mask's structure is known, so each (query tile, key tile) is classified from the anchors
     alone: a context tile is *full* when every query's anchor lies beyond it, *empty* when none
     does; block-token tiles are partial where the query and key block ranges meet. That is a few
     small tensor ops, instead of evaluating mask_mod on all Q x (S+Q) pairs as create_block_mask
     does (compiled, that took 155 s of cold start on an H200; eager, it materialises the pairs).
-    With a `window`, a context tile is full only if also every query lies within the window of
-    every key, and listed at all only if some query can reach its last key.
+    Partial tiles apply `block_mask_mod` element by element, so the result is exact. With a
+    `window`, a context tile is full only if also every query lies within the window of every key,
+    and listed at all only if some query can reach its last key.
     """
     batch, num_anchors = anchors.shape
     num_queries = num_anchors * block_size
@@ -135,39 +121,22 @@ def flex_mask_tiles(
     )
     full = all_context
     partial = (sees_context | sees_blocks) & ~full
-    # Both orientations here, so that BlockMask need not transpose them again.
-    return FlexTiles(
-        *_tiles_to_ordered(partial),
-        *_tiles_to_ordered(full),
-        *_tiles_to_ordered(partial.transpose(-2, -1)),
-        *_tiles_to_ordered(full.transpose(-2, -1)),
-    )
-
-
-def flex_mask_from_tiles(
-    tiles: FlexTiles, anchors: Tensor, context_len: int, block_size: int, window: int | None = None
-) -> BlockMask:
-    """The BlockMask of `flex_mask_tiles`' tiles; partial tiles apply `block_mask_mod` element by
-    element, so the mask is exact."""
-    num_queries = anchors.shape[1] * block_size
+    # Both orientations from the tiles at hand: BlockMask.from_kv_blocks would rebuild the dense
+    # tiles from the lists to transpose them, some twenty more small kernels per micro-batch.
+    kv_count, kv_indices = _tiles_to_ordered(partial)
+    full_kv_count, full_kv_indices = _tiles_to_ordered(full)
+    q_count, q_indices = _tiles_to_ordered(partial.transpose(-2, -1))
+    full_q_count, full_q_indices = _tiles_to_ordered(full.transpose(-2, -1))
     return BlockMask(
-        seq_lengths=(num_queries, context_len + num_queries),
-        kv_num_blocks=tiles.kv_count,
-        kv_indices=tiles.kv_indices,
-        full_kv_num_blocks=tiles.full_kv_count,
-        full_kv_indices=tiles.full_kv_indices,
-        q_num_blocks=tiles.q_count,
-        q_indices=tiles.q_indices,
-        full_q_num_blocks=tiles.full_q_count,
-        full_q_indices=tiles.full_q_indices,
+        seq_lengths=(num_queries, num_keys),
+        kv_num_blocks=kv_count,
+        kv_indices=kv_indices,
+        full_kv_num_blocks=full_kv_count,
+        full_kv_indices=full_kv_indices,
+        q_num_blocks=q_count,
+        q_indices=q_indices,
+        full_q_num_blocks=full_q_count,
+        full_q_indices=full_q_indices,
         BLOCK_SIZE=(FLEX_TILE, FLEX_TILE),
         mask_mod=block_mask_mod(anchors, context_len, block_size, window),
     )
-
-
-def flex_block_mask(
-    anchors: Tensor, context_len: int, block_size: int, window: int | None = None
-) -> BlockMask:
-    """The block-sparse mask as a flex_attention BlockMask (heads broadcast), built tile by tile."""
-    tiles = flex_mask_tiles(anchors, context_len, block_size, window)
-    return flex_mask_from_tiles(tiles, anchors, context_len, block_size, window)

@@ -13,22 +13,19 @@ at many anchor positions p of each sequence at once:
     label at block index k = x[a_n + k], weight exp(-(k-1)/gamma) on response tokens, k >= 1
 
 Shapes are static (always N anchor slots, padded with invalid ones) so compiled kernels
-never recompile on a varying number of anchors. On CUDA `draft_blocks` builds it all in one
-compiled graph: eager, these are some 150 small kernels whose launches the GPU, idle at the start
-of a step, waits for.
+never recompile on a varying number of anchors.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_mp.block_mask import dense_block_mask, flex_block_mask, flex_mask_from_tiles, flex_mask_tiles
+from dflash_mp.block_mask import dense_block_mask, flex_block_mask
 
 # ----------------------------------------------------------------------------- anchors
 
@@ -48,26 +45,18 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def epoch_stream(seed: int, epoch: int, device: torch.device | str | None = None) -> Tensor:
-    """0-d int64: the hash state of (seed, epoch), from which every sample's keys go on."""
-    stream = _mix32(torch.full((), seed & _MASK32, dtype=torch.int64, device=device))
-    return _mix32(stream ^ (epoch & _MASK32))
-
-
 def anchor_keys(seed: int, epoch: int, sample_ids: Tensor, seq_len: int) -> Tensor:
     """[B, S] int64 pseudo-random keys in [0, 2**32), a pure function of (seed, epoch, sample, position).
 
     Anchors therefore depend on the record only, never on the topology or batch composition
     (docs/DESIGN.md §2 determinism), and are fresh each epoch (§3).
     """
-    device = sample_ids.device
-    return _keys(epoch_stream(seed, epoch, device), sample_ids, torch.arange(seq_len, device=device))
-
-
-def _keys(stream: Tensor, sample_ids: Tensor, positions: Tensor) -> Tensor:
     ids = sample_ids.long()
+    stream = _mix32(torch.full_like(ids, seed & _MASK32))
+    stream = _mix32(stream ^ (epoch & _MASK32))
     stream = _mix32(stream ^ (ids & _MASK32))
     stream = _mix32(stream ^ ((ids >> 32) & _MASK32))
+    positions = torch.arange(seq_len, device=ids.device)
     # 0x9E3779B1 (the 32-bit golden ratio) spreads consecutive positions before mixing.
     return _mix32(_mix32((stream[:, None] + positions * 0x9E3779B1) & _MASK32))
 
@@ -88,28 +77,14 @@ def sample_anchors(
     Everything runs on the inputs' device with static shapes: no host synchronisation, nothing
     for a compiled step to recompile on.
     """
-    device = loss_mask.device
-    stream, positions = epoch_stream(seed, epoch, device), torch.arange(loss_mask.shape[1], device=device)
-    return _draw_anchors(loss_mask, lengths, sample_ids, stream, positions, num_anchors)
-
-
-def _draw_anchors(
-    loss_mask: Tensor,
-    lengths: Tensor,
-    sample_ids: Tensor,
-    stream: Tensor,
-    positions: Tensor,
-    num_anchors: int,
-) -> tuple[Tensor, Tensor]:
-    """`sample_anchors` from the epoch's hash state and arange(S), tensors that a compiled caller
-    takes as inputs (see `_block_tensors`)."""
     batch, seq_len = loss_mask.shape
     device = loss_mask.device
+    positions = torch.arange(seq_len, device=device)
     response = loss_mask.bool()
     next_is_response = F.pad(response[:, 1:], (0, 1), value=False)
     eligible = response & next_is_response & (positions >= 1) & (positions + 1 < lengths[:, None].to(device))
     # key * S + position is unique per row, so ties cannot make the choice order-dependent.
-    keys = _keys(stream, sample_ids.to(device), positions) * seq_len + positions
+    keys = anchor_keys(seed, epoch, sample_ids.to(device), seq_len) * seq_len + positions
     never = torch.iinfo(torch.int64).max
     keys = torch.where(eligible, keys, never)
     picked = min(num_anchors, seq_len)
@@ -213,32 +188,11 @@ def draft_blocks(
     """Anchors, block tokens, labels and mask of one micro-batch (`batch` as `drafter_loss` takes it).
 
     `window` (a drafter with sliding-attention layers) adds the sliding layers' mask: `mask` is then
-    {"full_attention": ..., "sliding_attention": ...}. On CUDA with flex attention everything is
-    one compiled graph; its integer and tile results equal the eager ops' bit for bit, and the loss
-    weights' decay is computed eagerly (an inductor exp may differ in the last bit).
+    {"full_attention": ..., "sliding_attention": ...}. Small eager ops (torch.compile of them took
+    minutes to compile on an H200, and failed on a new sequence length; see BENCHMARKS.md).
     """
     seq_len = batch.input_ids.shape[1]
     decay = _decay(block_size, gamma, batch.input_ids.device)
-    if attention == "flex" and batch.input_ids.is_cuda:
-        device = batch.input_ids.device
-        anchors, ids, positions, labels, weights, tiles, window_tiles = _compiled_block_tensors()(
-            batch.input_ids,
-            batch.loss_mask,
-            batch.lengths,
-            batch.sample_ids,
-            _epoch_stream(seed, batch.epoch, device),
-            _positions(seq_len, device),
-            num_anchors,
-            block_size,
-            mask_token_id,
-            decay,
-            window,
-        )
-        mask: Any = flex_mask_from_tiles(tiles, anchors, seq_len, block_size)
-        if window is not None:
-            sliding = flex_mask_from_tiles(window_tiles, anchors, seq_len, block_size, window)
-            mask = {"full_attention": mask, "sliding_attention": sliding}
-        return DraftBlocks(ids, positions, labels, weights, mask)
     anchors, valid = sample_anchors(
         batch.loss_mask, batch.lengths, batch.sample_ids, batch.epoch, seed, num_anchors
     )
@@ -253,51 +207,6 @@ def draft_blocks(
     return DraftBlocks(ids, positions, labels, weights, mask)
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=8)  # the same few values every micro-batch: kernels saved at step start
 def _decay(block_size: int, gamma: float, device: torch.device) -> Tensor:
     return loss_decay(block_size, gamma, device)
-
-
-@functools.lru_cache(maxsize=8)
-def _epoch_stream(seed: int, epoch: int, device: torch.device) -> Tensor:
-    return epoch_stream(seed, epoch, device)
-
-
-@functools.lru_cache(maxsize=16)
-def _positions(seq_len: int, device: torch.device) -> Tensor:
-    return torch.arange(seq_len, device=device)
-
-
-def _block_tensors(
-    input_ids: Tensor,
-    loss_mask: Tensor,
-    lengths: Tensor,
-    sample_ids: Tensor,
-    stream: Tensor,
-    positions: Tensor,
-    num_anchors: int,
-    block_size: int,
-    mask_token_id: int,
-    decay: Tensor,
-    window: int | None,
-) -> tuple[Any, ...]:
-    """`draft_blocks`' tensors (the flex tiles, not the BlockMask object), for torch.compile.
-
-    What varies between micro-batches comes in as tensors or shapes, never as Python numbers: an
-    epoch number would be a symbolic int after its first change, which inductor (torch 2.11, 2.13)
-    turned into float32 in the hash. `positions` is arange(S), passed in: inductor makes an arange
-    index arithmetic in int32, where the hash's products (x 0x9E3779B1) do not fit."""
-    seq_len = input_ids.shape[1]
-    anchors, valid = _draw_anchors(loss_mask, lengths, sample_ids, stream, positions, num_anchors)
-    ids, positions = block_inputs(input_ids, anchors, block_size, mask_token_id)
-    labels, weights = block_labels(input_ids, loss_mask, lengths, anchors, valid, block_size, 0.0, decay)
-    tiles = flex_mask_tiles(anchors, seq_len, block_size)
-    window_tiles = None if window is None else flex_mask_tiles(anchors, seq_len, block_size, window)
-    return anchors, ids, positions, labels, weights, tiles, window_tiles
-
-
-@functools.cache
-def _compiled_block_tensors() -> Callable[..., tuple[Any, ...]]:
-    # Compiled once per process; a new sequence length or epoch makes those dimensions dynamic
-    # after its first recompile (torch.compile's automatic dynamic shapes).
-    return torch.compile(_block_tensors)
