@@ -24,9 +24,9 @@ def _chunk(rows: int, vocab: int, dtype: torch.dtype, seed: int = 0):
     labels = torch.randint(0, vocab, (rows,), generator=generator)
     scale = torch.rand(rows, generator=generator)
     scale[1] = 0.0  # a row that does not count
-    # Ties for the maximum: row 0 has it at two places, the earlier one past the first tile.
-    logits[0, 4200] = logits[0, 4900] = 100.0
-    labels[0] = 4200
+    # Ties for the maximum: row 0 has it at three places, in the first tile and twice in the second.
+    logits[0, 100] = logits[0, 4200] = logits[0, 4900] = 100.0
+    labels[0] = 100
     labels[2] = int(logits[2].float().argmax())  # a row it gets right
     return logits.to(DEVICE), labels.to(DEVICE), scale.to(DEVICE)
 
@@ -34,7 +34,7 @@ def _chunk(rows: int, vocab: int, dtype: torch.dtype, seed: int = 0):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("multiplier", "softcap"), [(1.0, None), (0.25, 30.0)])
 def test_loss_gradient_and_argmax_equal_the_expressions(dtype, multiplier, softcap) -> None:
-    # 4096 columns a tile: 6001 columns are a whole tile and a ragged one.
+    # 4096 columns a tile: 6001 columns are a whole tile and a ragged one, and six empty slices.
     logits, labels, scale = _chunk(5, 6001, dtype)
     loss, grad, correct = _ce_and_grad(logits.clone(), labels, scale, multiplier, softcap)
     fused_loss, fused_grad, fused_correct = fused_ce.ce_and_grad_in_place(
