@@ -7,7 +7,9 @@ at Qwen3-8B shape (7680 scored rows, vocab 151936, bf16) 7 GB, ~1.8 ms at the H2
 Inductor's kernel for the same expressions (`block_diffusion._ce_and_grad`) reads the logits in
 several passes and took 3.6 ms per step. Here the statistics are one online-softmax pass per row
 (the running maximum and the sum of exponentials rescaled as the maximum grows), and the gradient
-overwrites the logits it is computed from, so a chunk needs no second [rows, vocab] buffer.
+overwrites the logits it is computed from, so a chunk needs no second [rows, vocab] buffer: 1.24 +
+1.19 ms per step. The gradient pass runs at ~3.9 TB/s; the statistics pass at ~1.9 TB/s, held up
+by the tile reductions inside its loop (BENCHMARKS.md says what was tried).
 
 The numbers are `_ce_and_grad`'s: logits times `multiplier`, then soft-capped c * tanh(x / c)
 when `softcap` is set, the loss scaled per row, the gradient in the logits' dtype, the argmax the
@@ -25,8 +27,9 @@ try:  # Triton ships with CUDA builds of torch; elsewhere block_diffusion uses `
 except ImportError:  # pragma: no cover - depends on the torch build
     triton = None
 
-_STATISTICS_TILE = 4096  # columns per loop iteration of a row's statistics: 16 per thread at 8 warps
-_GRADIENT_TILE = 4096  # columns per program of the gradient pass
+# Columns per loop iteration of a row's statistics and per program of the gradient pass: 16 per
+# thread at 8 warps.
+_TILE = 4096
 
 
 def fused_ce_runs_on(device: torch.device) -> bool:
@@ -50,34 +53,10 @@ def ce_and_grad_in_place(
     labels, scale = labels.contiguous(), scale.float().contiguous()
     capped = softcap is not None and softcap > 0
     cap = float(softcap) if capped else 1.0
-    _row_statistics[(rows,)](
-        logits,
-        labels,
-        scale,
-        log_normaliser,
-        row_loss,
-        correct,
-        vocab,
-        logits.stride(0),
-        float(multiplier),
-        cap,
-        SOFTCAP=capped,
-        TILE=_STATISTICS_TILE,
-        num_warps=8,
-    )
-    _gradient[(rows, triton.cdiv(vocab, _GRADIENT_TILE))](
-        logits,
-        labels,
-        scale,
-        log_normaliser,
-        vocab,
-        logits.stride(0),
-        float(multiplier),
-        cap,
-        SOFTCAP=capped,
-        TILE=_GRADIENT_TILE,
-        num_warps=8,
-    )
+    shared = (vocab, logits.stride(0), float(multiplier), cap)
+    options = {"SOFTCAP": capped, "TILE": _TILE, "num_warps": 8}
+    _row_statistics[(rows,)](logits, labels, scale, log_normaliser, row_loss, correct, *shared, **options)
+    _gradient[(rows, triton.cdiv(vocab, _TILE))](logits, labels, scale, log_normaliser, *shared, **options)
     return row_loss.sum(), logits, correct
 
 
