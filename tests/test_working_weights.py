@@ -19,8 +19,8 @@ from tests.test_trainer import _micro_batch
 OVERRIDES = ["train.max_steps=4", "train.micro_batch_size=2"]
 
 
-def _trainers(grad_accum: int, group=None) -> tuple[DrafterTrainer, DrafterTrainer]:
-    cfg = to_dataclass(compose_config([*OVERRIDES, f"train.grad_accum={grad_accum}"]))
+def _trainers(grad_accum: int, group=None, arch: str = "dflash") -> tuple[DrafterTrainer, DrafterTrainer]:
+    cfg = to_dataclass(compose_config([*OVERRIDES, f"train.grad_accum={grad_accum}", f"model.arch={arch}"]))
     working = DrafterTrainer(cfg, torch.device("cpu"), 4, group=group, working_weights=True)
     reference = DrafterTrainer(cfg, torch.device("cpu"), 4, group=group, working_weights=False)
     reference.autocast = torch.autocast("cpu", dtype=torch.bfloat16)  # fp32 weights, cast by autocast
@@ -42,12 +42,16 @@ def _assert_same_training(working: DrafterTrainer, reference: DrafterTrainer) ->
         assert all(torch.equal(mine[key], other[key]) for key in ("step", "exp_avg", "exp_avg_sq"))
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_steps_with_working_weights_equal_steps_with_fp32_weights(grad_accum) -> None:
-    working, reference = _trainers(grad_accum)
+@pytest.mark.parametrize(("grad_accum", "arch"), [(1, "dflash"), (2, "dflash"), (2, "dflash2")])
+def test_steps_with_working_weights_equal_steps_with_fp32_weights(grad_accum, arch) -> None:
+    # DFlash 2: the convolutions and the selector keep fp32 weights beside the bf16 projections.
+    working, reference = _trainers(grad_accum, arch=arch)
     batch = _micro_batch(working.cfg)
     assert working.drafter.fc.weight.dtype == torch.bfloat16
     assert working.drafter.norm.weight.dtype == torch.float32  # norms keep computing from fp32
+    if arch == "dflash2":
+        assert working.drafter.candidate_selector is not None
+        assert all(p.dtype == torch.float32 for p in working.drafter.candidate_selector.parameters())
     for _ in range(2):
         ours, theirs = _step(working, [batch] * grad_accum), _step(reference, [batch] * grad_accum)
         assert ours["loss"] == theirs["loss"] and ours["grad_norm"] == theirs["grad_norm"]
