@@ -212,6 +212,9 @@ def _run_role(cfg, job, run_dir: Path) -> None:
         resolved = OmegaConf.to_container(run_config(cfg), resolve=True)
         metrics = MetricsLogger(run_dir, steps, start_step, cfg.logger, resolved)
         log.info("training %d steps from step %d", steps, start_step)
+        if trainer.working is not None:
+            copies = sum(param.numel() for param in trainer.working.master_of)
+            log.info("drafter: %.0fM matmul weights as bf16 copies of fp32 masters", copies / 1e6)
 
     def checkpoint_due(step: int) -> bool:
         every = cfg.train.checkpoint_every
