@@ -125,8 +125,9 @@ def context_positions(batch: int, seq_len: int, device: torch.device | str | Non
     return torch.arange(seq_len, device=device).expand(batch, seq_len)
 
 
-def loss_decay(block_size: int, gamma: float, device: torch.device | str | None = None) -> Tensor:
-    """[Bs] float32: 0 at block index 0, exp(-(k-1)/gamma) at k >= 1."""
+@functools.lru_cache(maxsize=8)  # the same few values every micro-batch: kernels saved at step start
+def loss_decay(block_size: int, gamma: float, device: torch.device) -> Tensor:
+    """[Bs] float32: 0 at block index 0, exp(-(k-1)/gamma) at k >= 1 (shared: do not modify it)."""
     offsets = torch.arange(block_size, device=device)
     # Index 0 zeroed with where(), not an item assignment: that would copy a host scalar (a sync).
     return torch.where(offsets == 0, 0.0, torch.exp(-(offsets - 1).float() / gamma))
@@ -140,9 +141,8 @@ def block_labels(
     valid: Tensor,
     block_size: int,
     gamma: float,
-    decay: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Labels [B,N,Bs] and loss weights [B,N,Bs] float32 (`decay`: `loss_decay`'s, if at hand).
+    """Labels [B,N,Bs] and loss weights [B,N,Bs] float32.
 
     The label at block index k is x[a + k], NOT x[a + k + 1]: the block's first slot already
     holds x[a], and inference reads output k as the token at p + k (docs/DESIGN.md §3). Index 0 has
@@ -157,9 +157,9 @@ def block_labels(
     flat_positions = label_positions.clamp(max=seq_len - 1).flatten(1)
     labels = input_ids.gather(1, flat_positions).view_as(label_positions)
     is_response = loss_mask.bool().gather(1, flat_positions).view_as(label_positions)
-    if decay is None:
-        decay = loss_decay(block_size, gamma, anchors.device)
-    weights = decay * (valid[:, :, None] & in_range & is_response).float()
+    weights = (
+        loss_decay(block_size, gamma, anchors.device) * (valid[:, :, None] & in_range & is_response).float()
+    )
     return labels, weights
 
 
@@ -192,21 +192,15 @@ def draft_blocks(
     minutes to compile on an H200, and failed on a new sequence length; see BENCHMARKS.md).
     """
     seq_len = batch.input_ids.shape[1]
-    decay = _decay(block_size, gamma, batch.input_ids.device)
     anchors, valid = sample_anchors(
         batch.loss_mask, batch.lengths, batch.sample_ids, batch.epoch, seed, num_anchors
     )
     ids, positions = block_inputs(batch.input_ids, anchors, block_size, mask_token_id)
     labels, weights = block_labels(
-        batch.input_ids, batch.loss_mask, batch.lengths, anchors, valid, block_size, gamma, decay
+        batch.input_ids, batch.loss_mask, batch.lengths, anchors, valid, block_size, gamma
     )
     build_mask = flex_block_mask if attention == "flex" else dense_block_mask
     mask = build_mask(anchors, seq_len, block_size)
     if window is not None:
         mask = {"full_attention": mask, "sliding_attention": build_mask(anchors, seq_len, block_size, window)}
     return DraftBlocks(ids, positions, labels, weights, mask)
-
-
-@functools.lru_cache(maxsize=8)  # the same few values every micro-batch: kernels saved at step start
-def _decay(block_size: int, gamma: float, device: torch.device) -> Tensor:
-    return loss_decay(block_size, gamma, device)

@@ -170,7 +170,8 @@ class DrafterTrainer:
         exactly zero gradient.
         """
         accumulation = self.cfg.train.grad_accum
-        sync = last_of_step or not isinstance(self.model, nn.parallel.DistributedDataParallel)
+        data_parallel = isinstance(self.model, nn.parallel.DistributedDataParallel)
+        sync = last_of_step or not data_parallel
         empty = batch.num_sequences == 0
         with nullcontext() if sync else self.model.no_sync(), self.autocast:
             loss, stats = drafter_loss(
@@ -189,9 +190,7 @@ class DrafterTrainer:
                 loss = loss * 0.0
             (loss / accumulation).backward()
         if self.working is not None:
-            self.working.after_backward(
-                last_of_step, isinstance(self.model, nn.parallel.DistributedDataParallel)
-            )
+            self.working.after_backward(last_of_step, data_parallel)
         t = self.totals
         t.losses.append(loss.detach().float())
         # Stays a tensor (no host sync): whether this micro-batch had any loss token.

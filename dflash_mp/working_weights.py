@@ -25,6 +25,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 
 class WorkingWeights:
@@ -32,12 +33,12 @@ class WorkingWeights:
         """Give `drafter`'s matmul weights working copies in `dtype` (in place: the Parameter objects
         stay, their data becomes the copies) and keep their fp32 values as masters."""
         self.master_of: dict[nn.Parameter, Tensor] = {}
-        self._by_name: dict[str, tuple[nn.Parameter, Tensor]] = {}
+        self._master_by_name: dict[str, Tensor] = {}
         for name, param in _matmul_parameters(drafter):
             master = param.detach().clone()
             param.data = master.to(dtype)
             self.master_of[param] = master
-            self._by_name[name] = (param, master)
+            self._master_by_name[name] = master
         self.working_of = {id(master): param for param, master in self.master_of.items()}
         self._folded = False  # whether the masters hold gradients of earlier micro-batches
         # Functions, not bound methods: torch marks the hook function with an attribute.
@@ -77,13 +78,9 @@ class WorkingWeights:
         A bucket of bf16 gradients is widened and the fp32 sums of earlier micro-batches (on the
         masters) added first; the reduced fp32 values go to the masters' gradients and the bucket
         returns zeros, so the optimizer reads the masters'. fp32 buckets take DDP's default."""
-        world = dist.get_world_size(group)
         buffer = bucket.buffer()
         if buffer.dtype == torch.float32:
-            reduced = buffer.div_(world)
-            return (
-                dist.all_reduce(reduced, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
-            )
+            return default_hooks.allreduce_hook(group, bucket)
         wide = buffer.float()
         parts = []
         offset = 0
@@ -94,7 +91,7 @@ class WorkingWeights:
                 part.copy_(master.grad.add_(part))
             parts.append((master, part))
             offset += param.numel()
-        wide.div_(world)
+        wide.div_(dist.get_world_size(group))
 
         def finish(future: torch.futures.Future) -> Tensor:
             for master, part in parts:
@@ -118,13 +115,13 @@ class WorkingWeights:
                 param.data = data
 
     def _masters_into(self, state_dict: dict, prefix: str) -> None:
-        for name, (_, master) in self._by_name.items():
+        for name, master in self._master_by_name.items():
             if prefix + name in state_dict:
                 state_dict[prefix + name] = master.detach()
 
     def _load_masters(self, state_dict: dict, prefix: str) -> None:
         with torch.no_grad():
-            for name, (_, master) in self._by_name.items():
+            for name, master in self._master_by_name.items():
                 if prefix + name in state_dict:
                     master.copy_(state_dict[prefix + name])
 
