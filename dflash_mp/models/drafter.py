@@ -184,6 +184,8 @@ def build_drafter_config(
 def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
     # Compiled on first use, once per process: eager flex_attention materialises the full score matrix.
     # Dynamic shapes: sequence lengths change every micro-batch, and each static recompile costs seconds.
+    # Default kernel options: tile, warp, stage and TMA sweeps gained nothing, ROWS_GUARANTEED_SAFE
+    # made every step non-finite on torch 2.11, and cuDNN in pieces was slower (BENCHMARKS.md).
     return torch.compile(flex_attention, dynamic=True)
 
 
