@@ -34,7 +34,9 @@ the helpers bench/benchlib/.
 Every section runs under try/except and a watchdog: an error is recorded in the JSON, a rank
 blocked on a failed or hung peer gives up after a timeout, and the JSON is rewritten after every
 section, so a failure never costs the sections already measured. Rank 0 writes --out and prints
-the table; the exit status is 0 when every section that ran succeeded.
+the table; the exit status is 0 when every section that ran succeeded. A timed section whose
+measured steps skipped their update as non-finite more than rarely (random weights may give one)
+fails: such steps run no AdamW and would read as fast ones (benchlib.count_nonfinite).
 
 Single-rank mode (WORLD_SIZE 1, e.g. when only one GPU is available): the one process plays both
 roles (matmul_peak, setup, drafter_only, target_only, profile; the drafter trains without DDP),

@@ -207,6 +207,44 @@ def test_single_rank_watchdog_still_writes_the_json(tmp_path: Path) -> None:
     assert result["aborted"]["phase"] == "target_only"
 
 
+def test_steps_that_skip_their_update_as_non_finite_fail_the_section_instead_of_timing_fast(
+    tmp_path: Path,
+) -> None:
+    # lr 1e30: the first update blows the weights up, every later step is non-finite and skipped.
+    # Such steps run no AdamW, so they used to be reported as ok and faster than a real step.
+    proc, result = run_bench(
+        tmp_path,
+        "--sections",
+        "setup,drafter_only,colocated",
+        "--iters",
+        "4",
+        "--colocated-iters",
+        "4",
+        "--override",
+        "optim.lr=1e30",
+        nproc=1,
+        timeout=90,
+    )
+    assert proc.returncode != 0
+    assert result is not None, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    for name in ("drafter_only", "colocated"):
+        section = result["sections"][name]
+        assert section["status"] == "error", (name, section)
+        assert "4 of 4 measured steps had a non-finite loss" in section["errors"]["0"]
+
+
+def test_a_rare_non_finite_step_is_counted_not_fatal() -> None:
+    sys.path.insert(0, str(REPO / "bench"))
+    import benchlib as bl
+
+    fine, bad = {"skip_reason": None}, {"skip_reason": "nonfinite"}
+    no_tokens = {"skip_reason": "no_loss_tokens"}
+    assert bl.count_nonfinite("drafter_only", [bad] + [fine] * 9 + [no_tokens]) == 1
+    with pytest.raises(FloatingPointError, match="2 of 10 measured steps"):
+        bl.count_nonfinite("drafter_only", [bad, bad] + [fine] * 8)
+    assert bl.count_nonfinite("drafter_only", []) == 0
+
+
 def test_build_random_target_runs_the_layers_it_reads() -> None:
     config = Qwen3Config(
         hidden_size=32,

@@ -26,7 +26,17 @@ from .synthetic import (
     received_form,
     seeded,
 )
-from .timing import GB, GIB, Marks, distribution, matmul_peak, memory_report, memory_reset, sync
+from .timing import (
+    GB,
+    GIB,
+    Marks,
+    count_nonfinite,
+    distribution,
+    matmul_peak,
+    memory_report,
+    memory_reset,
+    sync,
+)
 from .watchdog import Watchdog
 
 __all__ = [
@@ -46,6 +56,7 @@ __all__ = [
     "compile_seconds",
     "count_params",
     "deep_merge",
+    "count_nonfinite",
     "distribution",
     "drafter_flops_per_micro_batch",
     "frames_compiled_total",

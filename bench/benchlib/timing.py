@@ -65,6 +65,24 @@ def distribution(seconds: list[float]) -> dict:
     }
 
 
+# Random weights on random tokens may give a rare non-finite step (the benchmark skips it); past this
+# share of the measured steps the timings are not training steps' (skipped steps run no update).
+MAX_NONFINITE_SHARE = 0.1
+
+
+def count_nonfinite(section: str, records: list[dict]) -> int:
+    """How many step records were skipped for a non-finite loss or gradient norm; raises when more
+    than MAX_NONFINITE_SHARE of them were, so that a broken step is never reported as a fast one."""
+    nonfinite = sum(record.get("skip_reason") == "nonfinite" for record in records)
+    if records and nonfinite > MAX_NONFINITE_SHARE * len(records):
+        raise FloatingPointError(
+            f"{section}: {nonfinite} of {len(records)} measured steps had a non-finite loss or gradient "
+            "norm and skipped the optimizer update, so their times are not training steps'. The "
+            "numerics of this code or configuration are broken; fix them before reading any timing."
+        )
+    return nonfinite
+
+
 def matmul_peak(device: torch.device, n: int, warmup: int, iters: int) -> dict:
     """Dense n^3 matmul throughput: bf16 on GPU (the MFU denominator), fp32 on CPU."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

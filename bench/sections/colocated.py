@@ -43,7 +43,7 @@ def run(bench: Bench) -> dict:
     trainer = bench.new_trainer(group=None if bench.single else dist.group.WORLD)
     build_s = time.perf_counter() - start
     watch = bl.CompileWatch()
-    step_s, first_step_s, t0 = [], 0.0, 0.0
+    step_s, records, first_step_s, t0 = [], [], 0.0, 0.0
     start = prev = time.perf_counter()
     for i in range(args.warmup + args.colocated_iters):
         if i == args.warmup:
@@ -55,16 +55,18 @@ def run(bench: Bench) -> dict:
             batch = bl.batch_to(bench.reader.read(m), bench.device)
             hidden = hidden_states_for_drafter(bench.extractor, batch, bench.dtype, bench.device)
             trainer.micro_step(features_of(batch, hidden), last_of_step=micro == bench.A - 1)
-        trainer.optimizer_step()
+        record = trainer.optimizer_step()
         now = time.perf_counter()
         if i == 0:
             first_step_s = now - start
             bench.log(f"colocated: first step (compile included) {first_step_s:.1f}s")
         if i >= args.warmup:
             step_s.append(now - prev)
+            records.append(record)
         prev = now
     bl.sync(bench.device)
     seconds = time.perf_counter() - t0
+    nonfinite = bl.count_nonfinite("colocated", records)
     del trainer
     return {
         "per_rank": {
@@ -76,6 +78,7 @@ def run(bench: Bench) -> dict:
                 "first_step_s": first_step_s,
                 "recompiles_after_warmup": watch.result()["recompiles"],
                 "recompile_reasons": watch.result()["recompile_reasons"],
+                "skipped_nonfinite_steps": nonfinite,
             }
         },
         "ranks": bench.world,

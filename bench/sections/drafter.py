@@ -23,7 +23,7 @@ def run(bench: Bench) -> dict:
         return {}
     trainer, batch, args = bench.trainer, bench.features, bench.args
     watch = bl.CompileWatch()
-    step_s, skipped, loss = [], 0, None
+    step_s, records = [], []
     start = prev = time.perf_counter()
     first_step_s = t0 = 0.0
     for i in range(args.warmup + args.iters):
@@ -42,11 +42,11 @@ def run(bench: Bench) -> dict:
             )
         if i >= args.warmup:
             step_s.append(now - prev)
-            skipped += bool(record["skipped"])
-            loss = record["loss"]
+            records.append(record)
         prev = now
     bl.sync(bench.device)
     seconds = time.perf_counter() - t0
+    nonfinite = bl.count_nonfinite("drafter_only", records)
     steps = args.iters
     counted = bench.partial["sections"]["setup"]["result"]["drafter"]
     flops = counted["flops_per_micro_batch"] * bench.A * steps
@@ -63,8 +63,8 @@ def run(bench: Bench) -> dict:
         "process_start_to_first_step_s": start + first_step_s - bench.process_start,
         "steps": steps,
         "warmup": args.warmup,
-        "skipped_nonfinite_steps": skipped,
-        "last_loss": loss,
+        "skipped_nonfinite_steps": nonfinite,
+        "last_loss": records[-1]["loss"] if records else None,
         "recompiles_after_warmup": watch.result()["recompiles"],
         "recompile_reasons": watch.result()["recompile_reasons"],
         "dynamo_frames_compiled_total": bl.frames_compiled_total(),

@@ -189,6 +189,6 @@ def _run_drafter(bench: Bench) -> dict:
         },
         recompiles_after_warmup=mine["recompiles_after_warmup"],
         recompile_reasons=watch.result()["recompile_reasons"],
-        skipped_nonfinite_steps=sum(bool(r["skipped"]) for r in records[warmup:]),
+        skipped_nonfinite_steps=bl.count_nonfinite("pipeline", records[warmup:]),
     )
     return result
