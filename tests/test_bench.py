@@ -215,11 +215,13 @@ def test_steps_that_skip_their_update_as_non_finite_fail_the_section_instead_of_
     proc, result = run_bench(
         tmp_path,
         "--sections",
-        "setup,drafter_only,colocated",
+        "setup,drafter_only,profile,colocated",
         "--iters",
         "4",
         "--colocated-iters",
         "4",
+        "--profile-steps",
+        "2",
         "--override",
         "optim.lr=1e30",
         nproc=1,
@@ -227,10 +229,10 @@ def test_steps_that_skip_their_update_as_non_finite_fail_the_section_instead_of_
     )
     assert proc.returncode != 0
     assert result is not None, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    for name in ("drafter_only", "colocated"):
+    for name, steps in (("drafter_only", 4), ("profile", 2), ("colocated", 4)):
         section = result["sections"][name]
         assert section["status"] == "error", (name, section)
-        assert "4 of 4 measured steps had a non-finite loss" in section["errors"]["0"]
+        assert f"{steps} of {steps} measured steps had a non-finite loss" in section["errors"]["0"]
 
 
 def test_a_rare_non_finite_step_is_counted_not_fatal() -> None:

@@ -129,11 +129,11 @@ def profile_drafter_steps(
 ) -> dict:
     """`warmup` drafter steps on `batch`, then `steps` more under torch.profiler: their phase breakdown."""
 
-    def step() -> None:
+    def step() -> dict:
         for micro in range(grad_accum):
             trainer.micro_step(batch, last_of_step=micro == grad_accum - 1)
         with record_function("dflash::optimizer"):
-            trainer.optimizer_step()
+            return trainer.optimizer_step()
 
     for _ in range(warmup):
         step()
@@ -142,10 +142,10 @@ def profile_drafter_steps(
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        for _ in range(steps):
-            step()
+        records = [step() for _ in range(steps)]
         bl.sync(device)
         wall_s = time.perf_counter() - start
+    bl.count_nonfinite("profile", records)  # a skipped update would leave the optimizer phase out
     result = phase_breakdown(prof.events(), cuda, steps, top_kernels)
     result.update(
         wall_ms_per_step=wall_s / steps * 1e3,
