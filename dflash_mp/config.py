@@ -163,6 +163,9 @@ class TrainConfig:
     overwrite: bool = False
     # Non-finite loss or gradient: "skip" the optimizer step or "stop" the job.
     on_nonfinite: str = "stop"
+    # With on_nonfinite=skip: stop the job after this many skipped non-finite steps in a row (the
+    # drafter is then not training; a resume counts afresh); 0: no limit.
+    max_nonfinite_in_a_row: int = 20
     # "auto" (cuda when available), "cuda" or "cpu".
     device: str = "auto"
     # Drafter training dtype: "auto" (bf16 autocast on GPU, fp32 on CPU), "float32", "bfloat16".

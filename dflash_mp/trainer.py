@@ -155,6 +155,7 @@ class DrafterTrainer:
             else nullcontext()
         )
         self.step = 0
+        self.nonfinite_in_a_row = 0  # skipped non-finite steps since the last applied one
         self.totals = StepTotals()
         self._read_back_stream: torch.cuda.Stream | None = None
         self._step_start = time.perf_counter()
@@ -293,6 +294,9 @@ class DrafterTrainer:
                         "set train.on_nonfinite=skip to skip such steps, or lower optim.lr"
                     )
                 skip_reason = "nonfinite"
+                self._count_nonfinite_in_a_row()
+            else:
+                self.nonfinite_in_a_row = 0
         if applied != (skip_reason is None):  # the device's rule and the host's must agree
             raise RuntimeError(
                 f"step {self.step + 1}: the device {'applied' if applied else 'skipped'} "
@@ -324,6 +328,21 @@ class DrafterTrainer:
         record.update(extra or {})
         self.totals = StepTotals()
         return record
+
+    def _count_nonfinite_in_a_row(self) -> None:
+        """With train.on_nonfinite=skip, stop once so many steps in a row were skipped that the run
+        no longer trains (a broken kernel, data or target): skipping them forever would finish the
+        job, and export its drafter, as if it had trained."""
+        self.nonfinite_in_a_row += 1
+        limit = self.cfg.train.max_nonfinite_in_a_row
+        if limit and self.nonfinite_in_a_row >= limit:
+            raise FloatingPointError(
+                f"steps {self.step + 2 - self.nonfinite_in_a_row} to {self.step + 1}: {self.nonfinite_in_a_row} "
+                "steps in a row had a non-finite loss or gradient norm and were skipped "
+                "(train.on_nonfinite=skip), so the drafter is not training. Check the data, the target's "
+                "hidden states and optim.lr; train.max_nonfinite_in_a_row sets how many are tolerated "
+                "(0: no limit)."
+            )
 
     def _start_read_back(self, values: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Queue `values`' copy to the host; the returned function waits for it.

@@ -178,6 +178,7 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
             "train.overwrite=true clears run_dir, train.resume=true continues it: pick one (or a new run_dir)"
         )
     _choice(problems, "train.on_nonfinite", tr.on_nonfinite, ("skip", "stop"))
+    _at_least(problems, "train.max_nonfinite_in_a_row", tr.max_nonfinite_in_a_row, 0, " (0: no limit)")
     _choice(problems, "train.device", tr.device, ("auto", "cuda", "cpu"))
     _choice(problems, "train.dtype", tr.dtype, ("auto", "float32", "bfloat16"))
     _choice(problems, "train.attention", tr.attention, ("auto", "flex", "sdpa"))

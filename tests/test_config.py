@@ -22,6 +22,7 @@ def test_all_problems_are_reported_at_once(tmp_path):
         f"data.train_files=[{tmp_path}/missing.jsonl]",
         "model.draft_layers=40",
         "data.on_bad_record=ignore",
+        "train.max_nonfinite_in_a_row=-1",
     )
     with pytest.raises(ConfigError) as info:
         validate(cfg, world_size=3)
@@ -35,6 +36,7 @@ def test_all_problems_are_reported_at_once(tmp_path):
         "model.draft_layers=40",
         "[1, 6]",
         "data.on_bad_record='ignore'",
+        "train.max_nonfinite_in_a_row=-1: must be >= 0 (0: no limit)",
     ):
         assert expected in message, expected
 

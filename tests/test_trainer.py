@@ -62,6 +62,32 @@ def test_a_non_finite_loss_skips_the_step_or_stops_naming_it(policy, device):
     assert all(float(s["step"]) == 1 for s in trainer.optimizer.state.values())  # AdamW's count too
 
 
+def test_skipping_non_finite_steps_stops_once_too_many_come_in_a_row():
+    cfg = to_dataclass(
+        compose_config(["train.max_steps=10", "train.on_nonfinite=skip", "train.max_nonfinite_in_a_row=3"])
+    )
+    trainer = DrafterTrainer(cfg, torch.device("cpu"), total_steps=10)
+    good = _batch_on(_micro_batch(cfg), "cpu", trainer.hidden_dtype)
+    bad = _batch_on(_micro_batch(cfg), "cpu", trainer.hidden_dtype)
+    bad.hidden_states[0, 0, 0] = math.nan
+
+    def step(batch):
+        trainer.micro_step(batch, last_of_step=True)
+        return trainer.optimizer_step()
+
+    # Two in a row, then an applied step resets the count; the third of the next run stops.
+    assert [step(b)["skip_reason"] for b in (good, bad, bad, good, bad, bad)] == [
+        None,
+        "nonfinite",
+        "nonfinite",
+        None,
+        "nonfinite",
+        "nonfinite",
+    ]
+    with pytest.raises(FloatingPointError, match=r"steps 5 to 7: 3 steps in a row.*max_nonfinite_in_a_row"):
+        step(bad)
+
+
 def test_wandb_runs_offline_and_never_writes_the_api_key(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     from dflash_mp.metrics import MetricsLogger
