@@ -257,11 +257,12 @@ def drafter_loss(
 
     `batch` has input_ids, loss_mask, lengths, sample_ids, epoch and hidden_states [B,S,K*H];
     `drafter(context_features, block_embeddings, context_positions, block_positions, mask)`
-    returns [B, N*Bs, H]. `attention` picks the mask form: "flex" (BlockMask, GPU) or "sdpa"
-    (dense bool mask; CPU, where flex_attention has no backward).
+    returns [B, N*Bs, H]. `attention` picks the mask form: "flex" (BlockMask, GPU), "flash"
+    (TileMask for FlashAttention 4, Hopper and newer) or "sdpa" (dense bool mask; CPU, where
+    flex_attention has no backward).
     """
-    if attention not in ("flex", "sdpa"):
-        raise ValueError(f"attention={attention!r}: must be 'flex' or 'sdpa'")
+    if attention not in ("flex", "flash", "sdpa"):
+        raise ValueError(f"attention={attention!r}: must be 'flex', 'flash' or 'sdpa'")
     # DDP keeps the drafter's attributes on .module.
     drafter_module = getattr(drafter, "module", drafter)
     block_size, mask_token_id = drafter_module.block_size, drafter_module.mask_token_id

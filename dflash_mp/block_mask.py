@@ -3,14 +3,16 @@
 Keys are [context features 0..S-1 ; block tokens of all N blocks]. A query of block n (anchor
 a_n) sees the context positions before a_n and its own block (non-causal), nothing of other
 blocks; in a sliding-attention layer a query sees only keys less than `window` positions from it
-(the reference's rule). The same rule serves three forms: a flex_attention mask_mod, a dense boolean mask
-for SDPA on CPU, and a flex BlockMask built tile by tile from the anchors (no compiled
-create_block_mask).
+(the reference's rule). The same rule serves four forms: a flex_attention mask_mod, a dense boolean mask
+for SDPA on CPU, a flex BlockMask built tile by tile from the anchors (no compiled
+create_block_mask), and that BlockMask's tile lists with the anchors for FlashAttention 4, whose
+kernels apply the rule as CuTe code (`dflash_mp.models.flash_attention`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -140,3 +142,21 @@ def flex_block_mask(
         BLOCK_SIZE=(FLEX_TILE, FLEX_TILE),
         mask_mod=block_mask_mod(anchors, context_len, block_size, window),
     )
+
+
+class TileMask(NamedTuple):
+    """The mask for kernels that apply the rule themselves: flex's tile lists and the anchors."""
+
+    tiles: BlockMask  # which (128 x 128) tiles are skipped, whole or partial, in both orientations
+    anchors: Tensor  # int32 [B, A]: block n's anchor; padded to whole query tiles with the last one
+    block_size: int
+
+
+def tile_block_mask(anchors: Tensor, context_len: int, block_size: int) -> TileMask:
+    """The mask as a TileMask (full-attention layers; sliding ones take `flex_block_mask`)."""
+    batch, num_anchors = anchors.shape
+    per_tile = FLEX_TILE // block_size if FLEX_TILE % block_size == 0 else FLEX_TILE
+    padding = -num_anchors % per_tile
+    padded = torch.cat([anchors, anchors[:, -1:].expand(batch, padding)], dim=1)
+    tiles = flex_block_mask(anchors, context_len, block_size)
+    return TileMask(tiles, padded.to(torch.int32).contiguous(), block_size)

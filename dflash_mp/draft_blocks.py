@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_mp.block_mask import dense_block_mask, flex_block_mask
+from dflash_mp.block_mask import dense_block_mask, flex_block_mask, tile_block_mask
 
 # ----------------------------------------------------------------------------- anchors
 
@@ -171,7 +171,9 @@ class DraftBlocks(NamedTuple):
     positions: Tensor  # [B, N*Bs] their true positions
     labels: Tensor  # [B, N, Bs]
     weights: Tensor  # [B, N, Bs] float32 loss weights
-    mask: Any  # attention mask: BlockMask (flex) or dense bool (sdpa), or one per layer type
+    mask: (
+        Any  # attention mask: BlockMask (flex), TileMask (flash) or dense bool (sdpa), or one per layer type
+    )
 
 
 def draft_blocks(
@@ -199,8 +201,9 @@ def draft_blocks(
     labels, weights = block_labels(
         batch.input_ids, batch.loss_mask, batch.lengths, anchors, valid, block_size, gamma
     )
-    build_mask = flex_block_mask if attention == "flex" else dense_block_mask
-    mask = build_mask(anchors, seq_len, block_size)
+    build_mask = dense_block_mask if attention == "sdpa" else flex_block_mask
+    # FlashAttention 4 serves the full-attention layers; sliding ones keep flex (its rule has no window).
+    mask = (tile_block_mask if attention == "flash" else build_mask)(anchors, seq_len, block_size)
     if window is not None:
         mask = {"full_attention": mask, "sliding_attention": build_mask(anchors, seq_len, block_size, window)}
     return DraftBlocks(ids, positions, labels, weights, mask)

@@ -22,6 +22,7 @@ from dflash_mp.block_diffusion import drafter_loss, per_position_accuracy
 from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
 from dflash_mp.mask_token import mask_token_id
 from dflash_mp.models.drafter import DFLASH2_FIELDS, SCALING_DEFAULTS, DFlashDrafter, build_drafter_config
+from dflash_mp.models.flash_attention import check_flash_supported
 from dflash_mp.models.target import load_embedding_and_head
 from dflash_mp.selector_loss import add_selector_stats, pack_selector_totals, selector_metrics
 from dflash_mp.streaming_adamw import StreamingAdamW, triton
@@ -115,6 +116,8 @@ class DrafterTrainer:
         self.total_steps = total_steps
         self.group = group  # drafter-only process group (None: single process)
         self.hidden_dtype, self.attention, compile_drafter = resolve_precision(cfg, device)
+        if self.attention == "flash":
+            check_flash_supported(device)
         self.drafter = (drafter if drafter is not None else build_drafter(cfg)).to(device)
         if embed_and_head is None:
             embed_and_head = load_embedding_and_head(

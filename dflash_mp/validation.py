@@ -181,7 +181,12 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
     _at_least(problems, "train.max_nonfinite_in_a_row", tr.max_nonfinite_in_a_row, 0, " (0: no limit)")
     _choice(problems, "train.device", tr.device, ("auto", "cuda", "cpu"))
     _choice(problems, "train.dtype", tr.dtype, ("auto", "float32", "bfloat16"))
-    _choice(problems, "train.attention", tr.attention, ("auto", "flex", "sdpa"))
+    _choice(problems, "train.attention", tr.attention, ("auto", "flex", "flash", "sdpa"))
+    if tr.attention == "flash" and (tr.dtype == "float32" or tr.device == "cpu"):
+        problems.append(
+            f"train.attention=flash runs FlashAttention 4's bf16 GPU kernels, not train.device={tr.device} "
+            f"with train.dtype={tr.dtype}: use train.attention=flex (GPU) or sdpa (CPU)"
+        )
     _choice(problems, "train.compile", str(tr.compile).lower(), ("auto", "true", "false"))
 
     _at_least(problems, "watchdog.timeout_s", cfg.watchdog.timeout_s, 0.0, " (0 disables)")

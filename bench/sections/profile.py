@@ -77,7 +77,7 @@ SCOPES = {
 BACKWARD_OF = {"layers_forward": "layers_backward", "lm_head_ce": "lm_head_ce", "selector": "selector"}
 BACKWARD_EVENT = "autograd::engine::evaluate_function: "
 ATTENTION_KERNEL = re.compile(r"flex_attention|attention|attn|flash|fmha|sdpa", re.IGNORECASE)
-ATTENTION_OP = re.compile(r"scaled_?dot_?product|flex_?attention", re.IGNORECASE)
+ATTENTION_OP = re.compile(r"scaled_?dot_?product|flex_?attention|flash_block_attention", re.IGNORECASE)
 MATMUL_KERNEL = re.compile(
     r"gemm|nvjet|cutlass|xmma|wgmma|cublas|matmul|splitk|^triton_tem_fused_(add)?b?mm", re.IGNORECASE
 )

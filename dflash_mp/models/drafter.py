@@ -24,7 +24,9 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from dflash_mp.block_mask import TileMask
 from dflash_mp.models.dflash2 import CandidateSelector, GroupedDynamicConv
+from dflash_mp.models.flash_attention import flash_block_attention
 
 # Target-config keys that fix the shape and numerics of a decoder layer; the drafter copies them.
 _LAYER_SHAPE_KEYS = (
@@ -42,7 +44,7 @@ _LAYER_SHAPE_KEYS = (
 # Both the current (`rope_parameters`) and the legacy spelling, which Qwen3Config converts itself.
 _ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling")
 
-AttentionMask = torch.Tensor | BlockMask
+AttentionMask = torch.Tensor | BlockMask | TileMask
 
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 # dflash_config fields of a DFlash 2 drafter (the reference, vLLM and the MLX loader read them there).
@@ -222,6 +224,13 @@ class DFlashAttention(nn.Module):
         q = self.q_norm(self.q_proj(hidden_states).view(batch, num_queries, -1, self.head_dim))
         k = self.k_norm(self.k_proj(keys_in).view(batch, num_keys, -1, self.head_dim))
         v = self.v_proj(keys_in).view(batch, num_keys, -1, self.head_dim)
+        if isinstance(mask, TileMask):
+            # FlashAttention 4 takes [B, tokens, heads, head_dim]: RoPE in that layout, no transposes.
+            cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
+            q = _rope(q, cos[:, -num_queries:], sin[:, -num_queries:]).to(v.dtype)
+            k = _rope(k, cos, sin).to(v.dtype)
+            out = flash_block_attention(q, k, v, mask, self.scaling)
+            return self.o_proj(out.reshape(batch, num_queries, -1))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, tokens, head_dim]
         # cos/sin cover [context ; block] positions; the queries are the block, i.e. the last rows.
         q = _rope(q, cos[:, :, -num_queries:], sin[:, :, -num_queries:])
@@ -386,7 +395,8 @@ class DFlashDrafter(nn.Module):
         context_features [B, S, K*H] are the concatenated target layer outputs; block_embeddings
         [B, Q, H] the target's embeddings of the block tokens; positions are the tokens' true positions.
         `mask` is a boolean [B, 1, Q, S+Q] tensor (True = may attend; keys are context first, then the
-        block) or a flex_attention BlockMask over the same [Q, S+Q] layout; or a mapping from layer
+        block), a flex_attention BlockMask over the same [Q, S+Q] layout or a TileMask (FlashAttention 4;
+        `dflash_mp.block_mask`); or a mapping from layer
         type ("full_attention", "sliding_attention") to such a mask, each layer taking its type's.
         """
         context = self.hidden_norm(self.fc(context_features))
