@@ -192,7 +192,7 @@ def _compare_with_flex(context_len: int) -> None:
     scale = head_dim**-0.5
 
     def run(attend, dtype):
-        inputs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        inputs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
         out = attend(*inputs)
         out.backward(grad_out.to(dtype))
         return [out.float()] + [x.grad.float() for x in inputs]
