@@ -170,8 +170,9 @@ class TrainConfig:
     device: str = "auto"
     # Drafter training dtype: "auto" (bf16 autocast on GPU, fp32 on CPU), "float32", "bfloat16".
     dtype: str = "auto"
-    # Attention kernel for the block-sparse mask: "auto" (flex on GPU, sdpa on CPU), "flex", "sdpa", or
-    # "flash": FlashAttention 4's CuTe kernels (Hopper or newer, bf16, package flash-attn-4).
+    # Attention kernel for the block-sparse mask: "flash" (FlashAttention 4's CuTe kernels: Hopper or
+    # newer, bf16, the optional package flash-attn-4), "flex" (flex_attention), "sdpa" (dense mask, CPU);
+    # "auto": flash where it runs, else flex on GPU, sdpa on CPU.
     attention: str = "auto"
     # torch.compile the drafter's and the target's layers, per process: "auto" (on for GPU), true or false.
     compile: str = "auto"

@@ -74,6 +74,7 @@ def preflight(
 
             uses_gpu = cfg.train.device != "cpu" and torch.cuda.is_available()
             checks += [check_devices(cfg.train.device, per_node), check_backends(uses_gpu)]
+            checks.append(check_attention(cfg.train.attention, cfg.train.dtype, uses_gpu))
         checks.append(check_target(cfg.model.target_path))
         checks.append(check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite))
         # A sample of the data through the real tokenizer and template, once they can be read.
@@ -166,6 +167,30 @@ def check_backends(uses_gpu: bool) -> Check:
     if uses_gpu and not dist.is_nccl_available():
         return Check("backends", False, "NCCL is missing: install a CUDA build of torch")
     return Check("backends", True, "gloo + nccl" if uses_gpu else "gloo")
+
+
+def check_attention(requested: str, dtype: str, uses_gpu: bool) -> Check:
+    """The attention kernel train.attention comes to on this machine; an explicit flash must run here."""
+    from dflash_mp.models.flash_attention import flash_unusable_reason
+
+    if not uses_gpu:
+        if requested == "flash":
+            return Check("attention", False, "train.attention=flash needs a CUDA GPU: use sdpa on CPU")
+        return Check("attention", True, "sdpa (CPU)" if requested == "auto" else requested)
+    if requested not in ("auto", "flash"):
+        return Check("attention", True, requested)
+    import torch
+
+    reason = flash_unusable_reason(torch.device("cuda", 0))
+    if dtype == "float32":
+        reason = "it runs in bf16, not train.dtype=float32"
+    if requested == "flash":
+        if reason is not None:
+            return Check("attention", False, f"train.attention=flash: {reason}")
+        return Check("attention", True, "flash (FlashAttention 4)")
+    return Check(
+        "attention", True, "flash (FlashAttention 4)" if reason is None else f"flex (not flash: {reason})"
+    )
 
 
 def check_target(target_path: str) -> Check:

@@ -22,7 +22,7 @@ from dflash_mp.block_diffusion import drafter_loss, per_position_accuracy
 from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
 from dflash_mp.mask_token import mask_token_id
 from dflash_mp.models.drafter import DFLASH2_FIELDS, SCALING_DEFAULTS, DFlashDrafter, build_drafter_config
-from dflash_mp.models.flash_attention import check_flash_supported
+from dflash_mp.models.flash_attention import check_flash_supported, flash_unusable_reason
 from dflash_mp.models.target import load_embedding_and_head
 from dflash_mp.selector_loss import add_selector_stats, pack_selector_totals, selector_metrics
 from dflash_mp.streaming_adamw import StreamingAdamW, triton
@@ -49,7 +49,11 @@ def resolve_precision(cfg: RootConfig, device: torch.device) -> tuple[torch.dtyp
     dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "float32": torch.float32}.get(
         cfg.train.dtype, torch.bfloat16
     )
-    attention = cfg.train.attention if cfg.train.attention != "auto" else ("flex" if on_gpu else "sdpa")
+    attention = cfg.train.attention
+    if attention == "auto":
+        # FlashAttention 4 where it runs (BENCHMARKS.md: the step's attention 23 -> 15 ms), else flex.
+        flash = dtype == torch.bfloat16 and on_gpu and flash_unusable_reason(device) is None
+        attention = "flash" if flash else ("flex" if on_gpu else "sdpa")
     compile_flag = str(cfg.train.compile).lower()
     return dtype, attention, (on_gpu if compile_flag == "auto" else compile_flag == "true")
 

@@ -14,10 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 from transformers import Qwen3Config
 
 from dflash_mp.block_diffusion import drafter_loss
 from dflash_mp.block_mask import FLEX_TILE, block_mask_mod, tile_block_mask
+from dflash_mp.models import drafter as drafter_module
 from dflash_mp.models import flash_attention
 from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
 from tests.test_block_diffusion import make_sequences
@@ -38,10 +40,10 @@ TARGET = Qwen3Config(
 LOSS_ARGS = {"seed": 3, "num_anchors": 12, "gamma": 7.0}
 
 
-def tiny_problem():
+def tiny_problem(**layer_options):
     torch.manual_seed(0)
     drafter = DFlashDrafter(
-        build_drafter_config(TARGET, 2, [1, 2], block_size=BLOCK, mask_token_id=VOCAB - 1)
+        build_drafter_config(TARGET, 2, [1, 2], block_size=BLOCK, mask_token_id=VOCAB - 1, **layer_options)
     )
     input_ids, loss_mask, lengths = make_sequences([SEQ_LEN, 131], seq_len=SEQ_LEN)
     batch = SimpleNamespace(
@@ -164,6 +166,21 @@ def test_flash_path_matches_sdpa_loss_and_gradients(dense_kernels, compiled: boo
     assert dense_kernels.calls == {"forward": layers, "backward": layers}
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_sliding_layers_keep_flex_under_flash(dense_kernels, monkeypatch) -> None:
+    """A sliding-attention layer takes flex's BlockMask (FA4's rule has no window); forward only,
+    in eager flex: on CPU it has no backward."""
+    monkeypatch.setattr(drafter_module, "_compiled_flex_attention", lambda: flex_attention)
+    layers = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 40}
+    losses = []
+    for attention in ("sdpa", "flash"):
+        drafter, embed, head, batch = tiny_problem(**layers)
+        with torch.no_grad():
+            losses.append(drafter_loss(drafter, embed, head, batch, attention=attention, **LOSS_ARGS)[0])
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    assert dense_kernels.calls == {"forward": 1, "backward": 0}  # the full-attention layer only
+
+
 def test_flash_needs_a_hopper_gpu_and_the_package() -> None:
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         flash_attention.check_flash_supported(torch.device("cpu"))
@@ -243,3 +260,47 @@ def test_fa4_kernels_match_fp32_attention_and_compile_once_for_all_lengths() -> 
     _compare_with_flex(1024)
     # Sequence lengths change every micro-batch: a new length must not compile new kernels.
     assert (len(_flash_attn_fwd.compile_cache.cache), len(_flash_attn_bwd.compile_cache.cache)) == compiled
+
+
+def test_doctor_says_which_attention_runs_and_refuses_a_flash_that_cannot(monkeypatch) -> None:
+    from dflash_mp import doctor
+
+    assert not doctor.check_attention("flash", "auto", uses_gpu=False).ok
+    assert doctor.check_attention("auto", "auto", uses_gpu=False).message == "sdpa (CPU)"
+    monkeypatch.setattr(
+        flash_attention, "flash_unusable_reason", lambda device: "flash_attn.cute is not installed"
+    )
+    refused = doctor.check_attention("flash", "auto", uses_gpu=True)
+    assert not refused.ok and "not installed" in refused.message
+    fallback = doctor.check_attention("auto", "auto", uses_gpu=True)
+    assert fallback.ok and fallback.message.startswith("flex") and "not installed" in fallback.message
+    monkeypatch.setattr(flash_attention, "flash_unusable_reason", lambda device: None)
+    assert doctor.check_attention("auto", "auto", uses_gpu=True).message == "flash (FlashAttention 4)"
+    assert not doctor.check_attention("flash", "float32", uses_gpu=True).ok
+    assert doctor.check_attention("flex", "auto", uses_gpu=True).message == "flex"
+
+
+def test_auto_attention_takes_flash_only_where_it_runs(monkeypatch) -> None:
+    from dflash_mp import trainer
+    from tests.drafters import embedded_config
+
+    cfg = embedded_config()
+    assert trainer.resolve_precision(cfg, torch.device("cpu"))[1] == "sdpa"
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(trainer, "flash_unusable_reason", lambda device: None)
+    assert trainer.resolve_precision(cfg, cuda)[1] == "flash"
+    assert trainer.resolve_precision(embedded_config("train.dtype=float32"), cuda)[1] == "flex"
+    monkeypatch.setattr(trainer, "flash_unusable_reason", lambda device: "not installed")
+    assert trainer.resolve_precision(cfg, cuda)[1] == "flex"
+
+
+def test_flash_on_cpu_or_in_fp32_is_refused_before_any_work() -> None:
+    from dflash_mp.validation import ConfigError, validate
+    from tests.drafters import embedded_config
+
+    for override in ("train.device=cpu", "train.dtype=float32"):
+        with pytest.raises(
+            ConfigError, match=r"train.attention=flash .* use train.attention=flex \(GPU\) or sdpa"
+        ):
+            validate(embedded_config("train.attention=flash", override), world_size=3)
+    validate(embedded_config("train.attention=flash"), world_size=3)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,30 +26,52 @@ from torch import Tensor
 from dflash_mp.block_mask import FLEX_TILE, TileMask
 
 PACKAGE_HINT = (
-    "install the FlashAttention 4 package (`pip install flash-attn-4`, with "
-    "`nvidia-cutlass-dsl-libs-cu13` on CUDA 13), or set train.attention=flex"
+    "install FlashAttention 4 (`pip install -e .[flash]`; on CUDA 13 also "
+    "`pip install 'nvidia-cutlass-dsl[cu13]'`), or set train.attention=flex"
 )
+# The keyword arguments this module passes to FA4's (private) entry points; checked before use, so
+# that another release of the package is refused with a message rather than failing mid-step.
+_FORWARD_ARGUMENTS = {"softmax_scale", "mask_mod", "aux_tensors", "block_sparse_tensors", "return_lse"}
+_BACKWARD_ARGUMENTS = {"softmax_scale", "mask_mod", "aux_tensors", "block_sparse_tensors"}
 
 
 def flash_available() -> bool:
-    """True when FlashAttention 4's CuTe interface can be imported (it is optional)."""
+    """True when FlashAttention 4's CuTe interface can be found (the package is optional)."""
     try:
         return importlib.util.find_spec("flash_attn.cute") is not None
     except ImportError:
         return False
 
 
+def flash_unusable_reason(device: torch.device) -> str | None:
+    """Why `train.attention=flash` cannot run on `device`, or None when it can."""
+    if device.type != "cuda":
+        return f"it needs a CUDA GPU (device {device}); use flex on GPUs, sdpa on CPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"it needs a Hopper or newer GPU, this one is compute capability {major}.{minor}; use flex"
+    if not flash_available():
+        return f"flash_attn.cute is not installed; {PACKAGE_HINT}"
+    try:
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+    except Exception as error:  # a broken install (CUDA libraries, cutlass DSL) fails at import
+        return f"importing flash_attn.cute failed ({type(error).__name__}: {error}); {PACKAGE_HINT}"
+    missing = sorted(
+        (_FORWARD_ARGUMENTS - set(inspect.signature(_flash_attn_fwd).parameters))
+        | (_BACKWARD_ARGUMENTS - set(inspect.signature(_flash_attn_bwd).parameters))
+        | ({"block_size"} - set(BlockSparseTensorsTorch._fields))
+    )
+    if missing:
+        return f"this flash-attn-4 release lacks {missing} (tested with 4.0.0b36); {PACKAGE_HINT}"
+    return None
+
+
 def check_flash_supported(device: torch.device) -> None:
     """Raise a ValueError naming the fix when `train.attention=flash` cannot run on `device`."""
-    if device.type != "cuda":
-        raise ValueError(f"train.attention=flash needs a CUDA GPU (device {device}); use flex or sdpa")
-    major, _ = torch.cuda.get_device_capability(device)
-    if major < 9:
-        raise ValueError(
-            f"train.attention=flash needs a Hopper or newer GPU (compute capability {major}.x); use flex"
-        )
-    if not flash_available():
-        raise ValueError(f"train.attention=flash: flash_attn.cute is not importable; {PACKAGE_HINT}")
+    reason = flash_unusable_reason(device)
+    if reason is not None:
+        raise ValueError(f"train.attention=flash: {reason}")
 
 
 @functools.cache
