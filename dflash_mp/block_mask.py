@@ -72,7 +72,22 @@ def _tiles_to_ordered(tiles: Tensor) -> tuple[Tensor, Tensor]:
     first: flex's ordered form (as its `_dense_to_ordered`)."""
     count = tiles.sum(-1, dtype=torch.int32)
     indices = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return count[:, None].contiguous(), indices[:, None].contiguous()
+    return _row_major(count[:, None]), _row_major(indices[:, None])
+
+
+def _row_major(tensor: Tensor) -> Tensor:
+    """`tensor` with row-major strides on every dimension, size-1 ones included.
+
+    contiguous() leaves a size-1 dimension's stride as it was (from a transpose, say), and
+    FlashAttention 4's DLPack import insists on stride 1 in the last one: a one-tile-wide list
+    failed there. Same elements, so a view, or a copy where the layout differs otherwise.
+    """
+    tensor = tensor.contiguous()
+    strides, step = [], 1
+    for size in reversed(tensor.shape):
+        strides.append(step)
+        step *= size
+    return tensor.as_strided(tensor.shape, tuple(reversed(strides)))
 
 
 def flex_block_mask(

@@ -194,10 +194,12 @@ def _flash_runs_here() -> bool:
     )
 
 
-def _compare_with_flex(context_len: int) -> None:
-    """FA4 with the CuTe rule against fp32 SDPA on the dense mask: errors no worse than flex's."""
-    from dflash_mp.block_mask import dense_block_mask, flex_block_mask
-    from tests.test_block_diffusion import COMPILED_FLEX_ATTENTION, random_anchors
+def _compare_with_fp32_sdpa(context_len: int) -> None:
+    """FA4 with the CuTe rule against fp32 SDPA on the dense mask, at the tolerance bf16 flex meets
+    (test_block_diffusion). Flex itself is not run here: compiling it for more shapes in one process
+    pushed flex_attention past dynamo's recompile limit, and later GPU tests got its eager fallback."""
+    from dflash_mp.block_mask import dense_block_mask
+    from tests.test_block_diffusion import random_anchors
 
     num_anchors, block_size, heads, kv_heads, head_dim = 37, 16, 8, 2, 128
     queries, keys = num_anchors * block_size, context_len + num_anchors * block_size
@@ -207,6 +209,12 @@ def _compare_with_flex(context_len: int) -> None:
     k, v = (torch.randn(2, keys, kv_heads, head_dim, device="cuda") for _ in range(2))
     grad_out = torch.randn_like(q)
     scale = head_dim**-0.5
+    dense = dense_block_mask(anchors, context_len, block_size)
+
+    def sdpa(q, k, v):
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2)
 
     def run(attend, dtype):
         inputs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
@@ -214,40 +222,13 @@ def _compare_with_flex(context_len: int) -> None:
         out.backward(grad_out.to(dtype))
         return [out.float()] + [x.grad.float() for x in inputs]
 
-    dense = dense_block_mask(anchors, context_len, block_size)
-    reference = run(
-        lambda q, k, v: F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=dense,
-            scale=scale,
-            enable_gqa=True,
-        ).transpose(1, 2),
-        torch.float32,
-    )
-    flex_mask = flex_block_mask(anchors, context_len, block_size)
-    flex = run(
-        lambda q, k, v: COMPILED_FLEX_ATTENTION(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            block_mask=flex_mask,
-            scale=scale,
-            enable_gqa=True,
-        ).transpose(1, 2),
-        torch.bfloat16,
-    )
+    reference = run(sdpa, torch.float32)
     tile_mask = tile_block_mask(anchors, context_len, block_size)
     flash = run(
         lambda q, k, v: flash_attention.flash_block_attention(q, k, v, tile_mask, scale), torch.bfloat16
     )
-    for name, ref, flex_value, flash_value in zip(
-        ("out", "dq", "dk", "dv"), reference, flex, flash, strict=True
-    ):
-        flex_error = (flex_value - ref).abs().max().item()
-        flash_error = (flash_value - ref).abs().max().item()
-        assert flash_error <= 2 * flex_error + 1e-3, f"{name}: FA4 {flash_error:.3g}, flex {flex_error:.3g}"
+    for name, ref, flash_value in zip(("out", "dq", "dk", "dv"), reference, flash, strict=True):
+        torch.testing.assert_close(flash_value, ref, atol=3e-2, rtol=3e-2, msg=name)
 
 
 @pytest.mark.gpu
@@ -255,9 +236,9 @@ def _compare_with_flex(context_len: int) -> None:
 def test_fa4_kernels_match_fp32_attention_and_compile_once_for_all_lengths() -> None:
     from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
 
-    _compare_with_flex(700)  # context and queries not a multiple of the tile
+    _compare_with_fp32_sdpa(700)  # context and queries not a multiple of the tile
     compiled = len(_flash_attn_fwd.compile_cache.cache), len(_flash_attn_bwd.compile_cache.cache)
-    _compare_with_flex(1024)
+    _compare_with_fp32_sdpa(1024)
     # Sequence lengths change every micro-batch: a new length must not compile new kernels.
     assert (len(_flash_attn_fwd.compile_cache.cache), len(_flash_attn_bwd.compile_cache.cache)) == compiled
 
@@ -304,3 +285,14 @@ def test_flash_on_cpu_or_in_fp32_is_refused_before_any_work() -> None:
         ):
             validate(embedded_config("train.attention=flash", override), world_size=3)
     validate(embedded_config("train.attention=flash"), world_size=3)
+
+
+def test_tile_lists_have_row_major_strides_even_one_tile_wide() -> None:
+    """FA4 refused (on the GPU) a backward list of a single query tile whose last stride was 2."""
+    mask = tile_block_mask(torch.tensor([[5, 30, 60]]), context_len=200, block_size=16)  # 1 x 2 tiles
+    tiles = mask.tiles
+    lists = (tiles.kv_num_blocks, tiles.kv_indices, tiles.full_kv_num_blocks, tiles.full_kv_indices)
+    lists += (tiles.q_num_blocks, tiles.q_indices, tiles.full_q_num_blocks, tiles.full_q_indices)
+    assert tiles.q_indices.shape[-1] == 1
+    for tensor in lists:
+        assert tensor.stride() == torch.empty(tensor.shape).stride(), tensor.shape
