@@ -145,14 +145,15 @@ def test_tile_mask_pads_anchors_to_whole_query_tiles() -> None:
     assert mask.anchors.tolist() == [[3, 9, 20, 20, 20, 20, 20, 20]]
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_flash_path_matches_sdpa_loss_and_gradients(dense_kernels, compiled: bool) -> None:
+@pytest.mark.parametrize("mode", ["eager", "compiled", "checkpointed"])
+def test_flash_path_matches_sdpa_loss_and_gradients(dense_kernels, mode: str) -> None:
     """The whole drafter loss with attention=flash equals sdpa's, values and every gradient."""
     results = {}
     for attention in ("sdpa", "flash"):
         drafter, embed, head, batch = tiny_problem()
-        if compiled:
+        if mode == "compiled":
             drafter.compile_layers(backend="aot_eager", dynamic=True)
+        drafter.gradient_checkpointing = mode == "checkpointed"
         loss, _ = drafter_loss(drafter, embed, head, batch, attention=attention, **LOSS_ARGS)
         loss.backward()
         grads = {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}
@@ -163,7 +164,8 @@ def test_flash_path_matches_sdpa_loss_and_gradients(dense_kernels, compiled: boo
     for name, grad in sdpa_grads.items():
         torch.testing.assert_close(flash_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     layers = len(drafter.layers)
-    assert dense_kernels.calls == {"forward": layers, "backward": layers}
+    recomputed = layers if mode == "checkpointed" else 0  # the forward again in the backward
+    assert dense_kernels.calls == {"forward": layers + recomputed, "backward": layers}
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

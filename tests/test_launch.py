@@ -458,3 +458,16 @@ def test_the_sbatch_script_requeues_only_a_real_preemption_and_only_so_often(
     else:
         assert "batch script: got SIGUSR1" in log and "job PREEMPTED: exit code 75" in log, log
         assert requeued or "not requeueing: this was attempt 3 and MAX_REQUEUES=3" in log
+
+
+def test_each_job_keeps_its_compile_caches_under_the_run_dir_unless_set(tmp_path, monkeypatch):
+    from dflash_mp.launch.supervisor import job_environment
+
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    env = job_environment(tmp_path, "job")
+    assert env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    assert env["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(tmp_path / "cache" / "flash_attention")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "/shared/fa4")
+    assert job_environment(tmp_path, "job")["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == "/shared/fa4"

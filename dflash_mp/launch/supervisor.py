@@ -54,6 +54,10 @@ def job_environment(run_dir: Path, job_id: str) -> dict[str, str]:
     cache = run_dir / "cache"
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
     env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
+    # FlashAttention 4's compiled kernels (train.attention=flash), on disk for a resumed or restarted
+    # job to load instead of compiling again; FA4 writes them under a file lock, renamed into place.
+    env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(cache / "flash_attention"))
     # NCCL flight recorder: on a collective timeout each rank dumps its last NCCL calls here.
     env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
