@@ -170,8 +170,9 @@ class TileMask(NamedTuple):
 def tile_block_mask(anchors: Tensor, context_len: int, block_size: int) -> TileMask:
     """The mask as a TileMask (full-attention layers; sliding ones take `flex_block_mask`)."""
     batch, num_anchors = anchors.shape
-    per_tile = FLEX_TILE // block_size if FLEX_TILE % block_size == 0 else FLEX_TILE
-    padding = -num_anchors % per_tile
+    # FA4 evaluates the rule on whole query tiles: every row of the last tile needs an anchor.
+    rows = -(-num_anchors * block_size // FLEX_TILE) * FLEX_TILE
+    padding = -(-rows // block_size) - num_anchors
     padded = torch.cat([anchors, anchors[:, -1:].expand(batch, padding)], dim=1)
     tiles = flex_block_mask(anchors, context_len, block_size)
     return TileMask(tiles, padded.to(torch.int32).contiguous(), block_size)

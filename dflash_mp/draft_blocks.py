@@ -171,9 +171,7 @@ class DraftBlocks(NamedTuple):
     positions: Tensor  # [B, N*Bs] their true positions
     labels: Tensor  # [B, N, Bs]
     weights: Tensor  # [B, N, Bs] float32 loss weights
-    mask: (
-        Any  # attention mask: BlockMask (flex), TileMask (flash) or dense bool (sdpa), or one per layer type
-    )
+    mask: Any  # BlockMask (flex), TileMask (flash) or dense bool (sdpa); or one per layer type
 
 
 def draft_blocks(
