@@ -211,7 +211,7 @@ def _run_role(cfg, job, run_dir: Path) -> None:
         # wandb gets what config.yaml records: train.gamma and model.mask_token_id resolved.
         resolved = OmegaConf.to_container(run_config(cfg), resolve=True)
         metrics = MetricsLogger(run_dir, steps, start_step, cfg.logger, resolved)
-        log.info("training %d steps from step %d", steps, start_step)
+        log.info("training %d steps from step %d (attention: %s)", steps, start_step, trainer.attention)
         if trainer.working is not None:
             copies = sum(param.numel() for param in trainer.working.master_of)
             log.info("drafter: %.0fM matmul weights as bf16 copies of fp32 masters", copies / 1e6)
