@@ -26,7 +26,7 @@ from torch import Tensor
 from dflash_mp.block_mask import FLEX_TILE, TileMask
 
 PACKAGE_HINT = (
-    "install FlashAttention 4 (`pip install -e .[flash]`; on CUDA 13 also "
+    "install FlashAttention 4 (`pip install -e '.[flash]'`; on CUDA 13 also "
     "`pip install 'nvidia-cutlass-dsl[cu13]'`), or set train.attention=flex"
 )
 # The keyword arguments this module passes to FA4's (private) entry points; checked before use, so
