@@ -120,7 +120,7 @@ class DrafterTrainer:
         self.total_steps = total_steps
         self.group = group  # drafter-only process group (None: single process)
         self.hidden_dtype, self.attention, compile_drafter = resolve_precision(cfg, device)
-        if self.attention == "flash":
+        if cfg.train.attention == "flash":  # "auto" only chose flash after the same check
             check_flash_supported(device)
         self.drafter = (drafter if drafter is not None else build_drafter(cfg)).to(device)
         if embed_and_head is None:
