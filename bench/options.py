@@ -68,6 +68,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         default=15,
         help="kernels the profile section lists, costliest first",
     )
+    p.add_argument(
+        "--profile-trace",
+        help="also write the profiled steps as a gzipped Chrome trace to this file (chrome://tracing, Perfetto)",
+    )
     p.add_argument("--matmul-n", type=int, help="matmul side (default: 8192 on GPU shapes)")
     p.add_argument(
         "--sections",

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from dflash_mp.draft_blocks import context_positions, draft_blocks
+from dflash_mp.draft_blocks import DraftBlocks, context_positions, draft_blocks
 from dflash_mp.fused_ce import ce_and_grad_in_place, fused_ce_runs_on
 from dflash_mp.selector_loss import SelectorStats, TopK, selector_loss
 from dflash_mp.top_k import top_k_ids
@@ -236,6 +236,31 @@ def per_position_accuracy(correct: Tensor, count: Tensor) -> list[float]:
 # ----------------------------------------------------------------------------- one training step's loss
 
 
+def loss_blocks(
+    drafter: nn.Module, batch: Any, *, seed: int, num_anchors: int, gamma: float, attention: str
+) -> DraftBlocks:
+    """The anchors, block tokens, labels and mask `drafter_loss` trains `drafter` on for `batch`.
+
+    They depend on the batch and the seed only (not on the weights), so a trainer may queue them
+    for the next micro-batch while the device still runs the current step (`DrafterTrainer.prepare`).
+    """
+    if attention not in ("flex", "flash", "sdpa"):
+        raise ValueError(f"attention={attention!r}: must be 'flex', 'flash' or 'sdpa'")
+    # DDP keeps the drafter's attributes on .module.
+    drafter_module = getattr(drafter, "module", drafter)
+    with record_function("dflash::loss_blocks"):
+        return draft_blocks(
+            batch,
+            seed=seed,
+            num_anchors=num_anchors,
+            block_size=drafter_module.block_size,
+            mask_token_id=drafter_module.mask_token_id,
+            gamma=gamma,
+            attention=attention,
+            window=getattr(drafter_module, "sliding_window", None),  # sliding layers' own mask
+        )
+
+
 def drafter_loss(
     drafter: nn.Module,
     embed_weight: Tensor,
@@ -248,6 +273,7 @@ def drafter_loss(
     attention: str,
     selector_alpha: float = 1.0,
     selector_gold: str = "drop",
+    blocks: DraftBlocks | None = None,
 ) -> tuple[Tensor, LossStats]:
     """The DFlash loss of one micro-batch; shared by the reference trainer and the drafter ranks.
 
@@ -259,25 +285,16 @@ def drafter_loss(
     `drafter(context_features, block_embeddings, context_positions, block_positions, mask)`
     returns [B, N*Bs, H]. `attention` picks the mask form: "flex" (BlockMask, GPU), "flash"
     (TileMask for FlashAttention 4, Hopper and newer) or "sdpa" (dense bool mask; CPU, where
-    flex_attention has no backward).
+    flex_attention has no backward). `blocks`: `loss_blocks` of this batch with the same
+    arguments, made earlier; None makes them here.
     """
-    if attention not in ("flex", "flash", "sdpa"):
-        raise ValueError(f"attention={attention!r}: must be 'flex', 'flash' or 'sdpa'")
-    # DDP keeps the drafter's attributes on .module.
+    if blocks is None:
+        blocks = loss_blocks(
+            drafter, batch, seed=seed, num_anchors=num_anchors, gamma=gamma, attention=attention
+        )
     drafter_module = getattr(drafter, "module", drafter)
-    block_size, mask_token_id = drafter_module.block_size, drafter_module.mask_token_id
     input_ids = batch.input_ids
     batch_size, seq_len = input_ids.shape
-    blocks = draft_blocks(
-        batch,
-        seed=seed,
-        num_anchors=num_anchors,
-        block_size=block_size,
-        mask_token_id=mask_token_id,
-        gamma=gamma,
-        attention=attention,
-        window=getattr(drafter_module, "sliding_window", None),  # sliding-attention layers' own mask
-    )
     labels, weights = blocks.labels, blocks.weights
     # Targets that scale their embeddings (Gemma) get block embeddings scaled as at inference.
     embedding_scale = getattr(drafter_module, "input_embedding_scale", 1.0)

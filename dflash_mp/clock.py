@@ -21,19 +21,42 @@ class RoleClock:
         self.on_gpu = device.type == "cuda"
         self._busy_s = 0.0
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._open: torch.cuda.Event | float | None = None  # the start of the busy span now open
 
     @contextmanager
     def busy(self) -> Iterator[None]:
         if not self.on_gpu:
-            t0 = time.perf_counter()
+            self._open = time.perf_counter()
             yield
-            self._busy_s += time.perf_counter() - t0
+            self._busy_s += time.perf_counter() - self._open
+            self._open = None
             return
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
+        self._open = torch.cuda.Event(enable_timing=True)
+        self._open.record()
         yield
+        end = torch.cuda.Event(enable_timing=True)
         end.record()
-        self._pending.append((begin, end))
+        self._pending.append((self._open, end))
+        self._open = None
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside `busy()`: what runs in here is waiting, not work (e.g. receiving the next
+        micro-batch while this role's update runs). Outside `busy()` it changes nothing."""
+        if self._open is None:
+            yield
+            return
+        if not self.on_gpu:
+            self._busy_s += time.perf_counter() - self._open
+            yield
+            self._open = time.perf_counter()
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((self._open, end))
+        yield
+        self._open = torch.cuda.Event(enable_timing=True)
+        self._open.record()
 
     @property
     def busy_s(self) -> float:

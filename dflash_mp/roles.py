@@ -17,6 +17,7 @@ from dflash_mp.distributed import Job
 from dflash_mp.logs import get_logger
 from dflash_mp.resume import check_layout
 from dflash_mp.topology import Topology
+from dflash_mp.trainer import PreparedBatch
 from dflash_mp.transport import Features, Receiver, Sender, pack_tokens
 from dflash_mp.watchdog import Preempted, beat
 
@@ -184,13 +185,27 @@ def run_drafter(cfg: RootConfig, job: Job, trainer, start_step: int, steps: int,
         topology.target_rank,
     )
     target_balance: dict[int, tuple[float, float]] = {}
-    for _ in range(start_step, steps):
+
+    def receive() -> Features:
+        beat("receive", trainer.step)
+        batch = receiver.next()
+        if batch.end_of_data:
+            raise RuntimeError(f"end of data at micro-batch {batch.index}, before the last step")
+        target_balance[topology.target_rank(batch.index)] = (batch.sender_busy_s, batch.sender_wait_s)
+        return batch
+
+    # The next step's first micro-batch, received and prepared while the device runs the update:
+    # its ~200 small kernels then wait in the queue instead of the device waiting for them.
+    early: list[PreparedBatch] = []
+
+    def receive_early() -> None:
+        with receiver.clock.paused():
+            batch = receive()
+        early.append(trainer.prepare(batch))
+
+    for step in range(start_step, steps):
         for micro in range(cfg.train.grad_accum):
-            beat("receive", trainer.step)
-            batch = receiver.next()
-            if batch.end_of_data:
-                raise RuntimeError(f"end of data at micro-batch {batch.index}, before the last step")
-            target_balance[topology.target_rank(batch.index)] = (batch.sender_busy_s, batch.sender_wait_s)
+            batch = early.pop() if early else receive()
             beat("compute", trainer.step)
             with receiver.clock.busy():
                 trainer.micro_step(batch, last_of_step=micro == cfg.train.grad_accum - 1)
@@ -198,7 +213,7 @@ def run_drafter(cfg: RootConfig, job: Job, trainer, start_step: int, steps: int,
             receiver.prefetch()
         beat("optimizer", trainer.step)
         with receiver.clock.busy():
-            record = trainer.optimizer_step()
+            record = trainer.optimizer_step(while_waiting=receive_early if step + 1 < steps else None)
         record.update(_balance(receiver, target_balance))
         on_step(record)
         if trainer.step < steps and trainer.stop_agreed:

@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_mp import checkpoint
-from dflash_mp.block_diffusion import drafter_loss, per_position_accuracy
+from dflash_mp.block_diffusion import drafter_loss, loss_blocks, per_position_accuracy
 from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
+from dflash_mp.draft_blocks import DraftBlocks
 from dflash_mp.mask_token import mask_token_id
 from dflash_mp.models.drafter import DFLASH2_FIELDS, SCALING_DEFAULTS, DFlashDrafter, build_drafter_config
 from dflash_mp.models.flash_attention import check_flash_supported, flash_unusable_reason
@@ -93,6 +94,16 @@ class StepTotals:
     # Token counts stay tensors: reading them per micro-batch would synchronise the GPU.
     token_counts: list = field(default_factory=list)
     selector: dict = field(default_factory=dict)  # DFlash 2 selector stats (selector_loss.py)
+
+
+@dataclass
+class PreparedBatch:
+    """A micro-batch whose blocks (anchors, block tokens, labels, mask) are already queued on the
+    device: `DrafterTrainer.prepare`, so that `micro_step` starts with the drafter's forward."""
+
+    batch: Features  # as received: its counters go into the step's totals
+    inputs: Features  # what the drafter trains on: the batch, or a placeholder for an empty one
+    blocks: DraftBlocks
 
 
 class DrafterTrainer:
@@ -169,14 +180,35 @@ class DrafterTrainer:
 
     # ------------------------------------------------------------------ training
 
-    def micro_step(self, batch: Features, last_of_step: bool) -> None:
-        """Forward + backward of one micro-batch; gradients accumulate until the step.
+    def prepare(self, batch: Features) -> PreparedBatch:
+        """Queue the blocks of `batch` (anchor sampling, labels, mask: ~200 small kernels) now.
+
+        They depend on the data and the seed only, so preparing the next micro-batch while the
+        device still runs this step's update (`optimizer_step(while_waiting=...)`) takes the host's
+        slowest stretch off the start of the next step: there the device would otherwise wait for
+        the host's launches.
+        """
+        inputs = self._placeholder(batch) if batch.num_sequences == 0 else batch
+        blocks = loss_blocks(
+            self.model,
+            inputs,
+            seed=self.cfg.train.seed,
+            num_anchors=self.cfg.data.num_anchors,
+            gamma=self.cfg.train.gamma,
+            attention=self.attention,
+        )
+        return PreparedBatch(batch, inputs, blocks)
+
+    def micro_step(self, batch: Features | PreparedBatch, last_of_step: bool) -> None:
+        """Forward + backward of one micro-batch (prepared or not); gradients accumulate until the step.
 
         A micro-batch whose records were all skipped as bad still runs a forward and backward,
         on a placeholder through the same (DDP) model times zero: every drafter then joins the
         same gradient all-reduces in the same order whatever its data, and the placeholder adds
         exactly zero gradient.
         """
+        prepared = batch if isinstance(batch, PreparedBatch) else self.prepare(batch)
+        batch = prepared.batch
         accumulation = self.cfg.train.grad_accum
         data_parallel = isinstance(self.model, nn.parallel.DistributedDataParallel)
         sync = last_of_step or not data_parallel
@@ -186,13 +218,14 @@ class DrafterTrainer:
                 self.model,
                 self.embed_weight,
                 self.head_weight,
-                self._placeholder(batch) if empty else batch,
+                prepared.inputs,
                 seed=self.cfg.train.seed,
                 num_anchors=self.cfg.data.num_anchors,
                 gamma=self.cfg.train.gamma,
                 attention=self.attention,
                 selector_alpha=self.cfg.model.selector_loss_alpha,
                 selector_gold=self.cfg.model.selector_gold_outside_top_k,
+                blocks=prepared.blocks,
             )
             if empty:
                 loss = loss * 0.0
@@ -232,7 +265,9 @@ class DrafterTrainer:
             ),
         )
 
-    def optimizer_step(self, extra: dict | None = None) -> dict:
+    def optimizer_step(
+        self, extra: dict | None = None, while_waiting: Callable[[], None] | None = None
+    ) -> dict:
         """Clip, check finiteness, step AdamW at the scheduled lr; returns the metrics record.
 
         The step's loss is the mean over the micro-batches (of all drafters) that had loss
@@ -244,7 +279,9 @@ class DrafterTrainer:
         On GPU the step synchronises with the host once: everything the host decides on (loss,
         counts, gradient norm, finiteness) is computed on the device and read back in one copy,
         and the update, skipped on the device when it does not apply, is queued before that read:
-        the device is never left idle while the host decides.
+        the device is never left idle while the host decides. `while_waiting()` runs once the update
+        is queued and before the read: the caller's host work for the next step (`prepare`), which
+        the device then finds queued behind the update instead of waiting for it.
         """
         cfg = self.cfg
         block = cfg.model.block_size
@@ -278,6 +315,8 @@ class DrafterTrainer:
         )
         if grads:
             self.optimizer.step(grad_multiplier=gradient_scale, applies=applies)
+        if while_waiting is not None:
+            while_waiting()
         host = read_back()
         loss_sum, tokens, scored, micro_batches, sequences, nbytes, bad, too_long, stops = host[
             :_COUNTERS

@@ -6,6 +6,7 @@ efficiency is plausible), never timing thresholds: the CPU is shared and slow.
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -276,10 +277,23 @@ def test_build_random_target_runs_the_layers_it_reads() -> None:
 @pytest.mark.slow
 def test_profile_section_reports_device_time_by_phase(tmp_path: Path) -> None:
     # Not a default section: asked for by name; on 2 ranks the drafter rank profiles.
+    trace = tmp_path / "trace.json.gz"
     proc, result = run_bench(
-        tmp_path, "--sections", "setup,drafter_only,profile", "--iters", "2", "--profile-steps", "2"
+        tmp_path,
+        "--sections",
+        "setup,drafter_only,profile",
+        "--iters",
+        "2",
+        "--profile-steps",
+        "2",
+        "--profile-trace",
+        str(trace),
     )
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    # The raw timeline of the profiled steps, written by the drafter rank that profiled.
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("name") == "dflash::drafter_forward" for e in events)
     assert result is not None
     sections = result["sections"]
     assert sections["profile"]["status"] == "ok" and sections["pipeline"]["status"] == "skipped"

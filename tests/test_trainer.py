@@ -144,6 +144,53 @@ def test_an_empty_micro_batch_adds_exactly_zero_gradient_and_does_not_dilute_the
         assert torch.equal(value, expected[name]), name
 
 
+def test_micro_batches_prepared_while_the_update_runs_train_exactly_as_unprepared_ones():
+    # The runtime's loop (roles.run_drafter): the next step's first micro-batch is received and
+    # its blocks queued inside optimizer_step, once the update is queued; an empty one included.
+    cfg = to_dataclass(
+        compose_config(["train.max_steps=3", "train.grad_accum=2", "train.micro_batch_size=2"])
+    )
+    plain = DrafterTrainer(cfg, torch.device("cpu"), total_steps=3)
+    early = DrafterTrainer(cfg, torch.device("cpu"), total_steps=3)
+    batch = _micro_batch(cfg)
+    steps = [(batch, _empty_like(batch)), (_empty_like(batch), batch), (batch, batch)]
+    plain_records = []
+    for first, second in steps:
+        plain.micro_step(first, last_of_step=False)
+        plain.micro_step(second, last_of_step=True)
+        plain_records.append(plain.optimizer_step())
+
+    queued = [early.prepare(steps[0][0])]
+    early_records, updated_when_preparing = [], []
+    for step, (_, second) in enumerate(steps):
+        early.micro_step(queued.pop(), last_of_step=False)
+        early.micro_step(early.prepare(second), last_of_step=True)
+        before = early.drafter.fc.weight.detach().clone()
+
+        def prepare_next(step=step, before=before):
+            # The update is queued (on CPU: done) before the host turns to the next micro-batch.
+            updated_when_preparing.append(not torch.equal(early.drafter.fc.weight, before))
+            if step + 1 < len(steps):
+                queued.append(early.prepare(steps[step + 1][0]))
+
+        early_records.append(early.optimizer_step(while_waiting=prepare_next))
+    assert updated_when_preparing == [True, True, True]
+    for mine, theirs in zip(early_records, plain_records, strict=True):
+        assert (mine["loss"], mine["grad_norm"], mine["acc"]) == (
+            theirs["loss"],
+            theirs["grad_norm"],
+            theirs["acc"],
+        )
+        assert (
+            mine["micro_batches_without_loss"]
+            == theirs["micro_batches_without_loss"]
+            == 1 - (mine["step"] == 3)
+        )
+    expected = plain.drafter.state_dict()
+    for name, value in early.drafter.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_step_without_loss_tokens_leaves_weights_and_optimizer_alone(device):
     cfg = to_dataclass(compose_config(["train.max_steps=4", "train.micro_batch_size=2"]))
@@ -191,10 +238,12 @@ def test_a_warm_drafter_step_synchronises_with_the_host_once():
     trainer = DrafterTrainer(cfg, device, total_steps=8)  # compiled, flex attention, the Triton AdamW
     batch = _batch_on(_micro_batch(cfg), device, trainer.hidden_dtype)
 
-    def step() -> dict:
-        trainer.micro_step(batch, last_of_step=False)
+    early = [trainer.prepare(batch)]
+
+    def step() -> dict:  # as roles.run_drafter: the next step's first micro-batch prepared early
+        trainer.micro_step(early.pop(), last_of_step=False)
         trainer.micro_step(batch, last_of_step=True)
-        return trainer.optimizer_step()
+        return trainer.optimizer_step(while_waiting=lambda: early.append(trainer.prepare(batch)))
 
     for _ in range(2):  # compiles, creates AdamW's state
         step()

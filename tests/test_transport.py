@@ -216,7 +216,12 @@ class RecordingTrainer:
         if self.during_micro_step is not None:
             self.during_micro_step(batch.index)
 
-    def optimizer_step(self) -> dict:
+    def prepare(self, batch):
+        return batch
+
+    def optimizer_step(self, while_waiting=None) -> dict:
+        if while_waiting is not None:  # as DrafterTrainer: once the update is queued
+            while_waiting()
         self.step += 1
         return {"step": self.step}
 

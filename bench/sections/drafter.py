@@ -26,14 +26,17 @@ def run(bench: Bench) -> dict:
     step_s, records = [], []
     start = prev = time.perf_counter()
     first_step_s = t0 = 0.0
+    # As a drafter rank trains (roles.run_drafter): the next step's first micro-batch is prepared
+    # while the device runs the update.
+    early = [trainer.prepare(batch)]
     for i in range(args.warmup + args.iters):
         if i == args.warmup:
             bl.sync(bench.device)
             watch.start()
             t0 = prev = time.perf_counter()
         for micro in range(bench.A):
-            trainer.micro_step(batch, last_of_step=micro == bench.A - 1)
-        record = trainer.optimizer_step()
+            trainer.micro_step(early.pop() if early else batch, last_of_step=micro == bench.A - 1)
+        record = trainer.optimizer_step(while_waiting=lambda: early.append(trainer.prepare(batch)))
         now = time.perf_counter()
         if i == 0:
             first_step_s = now - start

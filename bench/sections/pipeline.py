@@ -44,8 +44,8 @@ class TimedExtractor:
 
 class RecordingTrainer:
     """DrafterTrainer as run_drafter sees it, plus a device-timeline mark where each step's data
-    is in (after the receive's stream wait) and where its optimizer step ends. In between the
-    drafter is busy; outside it waits for data."""
+    is in (after the receive's stream wait) and where its optimizer step has queued the update
+    (the next step's first receive follows). In between the drafter is busy; outside it waits."""
 
     def __init__(self, trainer: DrafterTrainer, device: torch.device, on_call=None) -> None:
         self.trainer = trainer
@@ -71,9 +71,19 @@ class RecordingTrainer:
             self._start = self.marks.mark()
         self.trainer.micro_step(batch, last_of_step=last_of_step)
 
-    def optimizer_step(self, extra: dict | None = None) -> dict:
-        record = self.trainer.optimizer_step(extra)
-        self.steps.append((self._start, self.marks.mark()))
+    def prepare(self, batch):
+        return self.trainer.prepare(batch)
+
+    def optimizer_step(self, extra: dict | None = None, while_waiting=None) -> dict:
+        ends = []
+
+        def waiting() -> None:  # the update is queued: the step's work ends here, the next receive follows
+            ends.append(self.marks.mark())
+            if while_waiting is not None:
+                while_waiting()
+
+        record = self.trainer.optimizer_step(extra, waiting)
+        self.steps.append((self._start, ends[0]))
         self._start = None
         return record
 

@@ -27,9 +27,10 @@ phase, so the phases sum to the total. The first rule that matches decides:
   created <Node> (matched by the autograd sequence number). AccumulateGrad (writing .grad of the
   drafter's parameters) counts here.
 - optimizer: under the `dflash::optimizer` scope around trainer.optimizer_step (the step metrics'
-  packing and read-back, clip_grad_norm_, AdamW, zero_grad).
-- other: everything else (anchor sampling, block masks, labels, the loss scaling and its backward,
-  and on GPU kernels the profiler could not link to a launching operator).
+  packing and read-back, clip_grad_norm_, AdamW, zero_grad), but for the next micro-batch's blocks
+  that it prepares while the update runs (`dflash::loss_blocks`, other).
+- other: everything else (anchor sampling, block masks, labels: `dflash::loss_blocks`; the loss
+  scaling and its backward, and on GPU kernels the profiler could not link to a launching operator).
 
 Wall time per step is measured around the profiled steps (under the profiler, so slightly slower
 than drafter_only, whose ms/step is copied here as unprofiled_ms_per_step when it ran); wall minus
@@ -38,7 +39,11 @@ device time is the time the device was idle: launch overhead and host work the d
 
 from __future__ import annotations
 
+import gzip
+import os
 import re
+import shutil
+import tempfile
 import time
 from collections import defaultdict
 from typing import TYPE_CHECKING
@@ -73,6 +78,8 @@ SCOPES = {
     "dflash::lm_head_ce": "lm_head_ce",
     "dflash::selector": "selector",
     "dflash::optimizer": "optimizer",
+    # The next micro-batch's blocks, prepared inside optimizer_step while the update runs.
+    "dflash::loss_blocks": "other",
 }
 BACKWARD_OF = {"layers_forward": "layers_backward", "lm_head_ce": "lm_head_ce", "selector": "selector"}
 BACKWARD_EVENT = "autograd::engine::evaluate_function: "
@@ -111,6 +118,7 @@ def run(bench: Bench) -> dict:
         args.profile_steps,
         bench.device,
         args.profile_top_kernels,
+        trace_path=args.profile_trace if bench.rank == bench.first_drafter else None,
     )
     drafter_only = bench.partial["sections"].get("drafter_only") or {}
     result["unprofiled_ms_per_step"] = (drafter_only.get("result") or {}).get("ms_per_step")
@@ -126,14 +134,20 @@ def profile_drafter_steps(
     steps: int,
     device: torch.device,
     top_kernels: int = TOP_KERNELS,
+    trace_path: str | None = None,
 ) -> dict:
-    """`warmup` drafter steps on `batch`, then `steps` more under torch.profiler: their phase breakdown."""
+    """`warmup` drafter steps on `batch`, then `steps` more under torch.profiler: their phase breakdown.
+
+    `trace_path` (a name ending in .gz): the profiled steps' Chrome trace, host and device timelines.
+    """
+
+    early = [trainer.prepare(batch)]  # as drafter_only (and a drafter rank) step
 
     def step() -> dict:
         for micro in range(grad_accum):
-            trainer.micro_step(batch, last_of_step=micro == grad_accum - 1)
+            trainer.micro_step(early.pop() if early else batch, last_of_step=micro == grad_accum - 1)
         with record_function("dflash::optimizer"):
-            return trainer.optimizer_step()
+            return trainer.optimizer_step(while_waiting=lambda: early.append(trainer.prepare(batch)))
 
     for _ in range(warmup):
         step()
@@ -146,6 +160,8 @@ def profile_drafter_steps(
         bl.sync(device)
         wall_s = time.perf_counter() - start
     bl.count_nonfinite("profile", records)  # a skipped update would leave the optimizer phase out
+    if trace_path:
+        _write_trace(prof, trace_path)
     result = phase_breakdown(prof.events(), cuda, steps, top_kernels)
     result.update(
         wall_ms_per_step=wall_s / steps * 1e3,
@@ -155,6 +171,15 @@ def profile_drafter_steps(
         micro_batches_per_step=grad_accum,
     )
     return result
+
+
+def _write_trace(prof, path: str) -> None:
+    """The profiler's Chrome trace, gzipped (a 3-step trace is tens of MB of JSON, a few MB gzipped)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        raw = os.path.join(scratch, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as source, gzip.open(path, "wb") as target:
+            shutil.copyfileobj(source, target)
 
 
 def phase_breakdown(events, cuda: bool, steps: int, top_kernels: int = TOP_KERNELS) -> dict:
