@@ -161,6 +161,7 @@ class Bench:
         self.trainer: DrafterTrainer | None = None
         self.features = None
         self.peak_flops: float | None = None
+        self.sustained_flops: float | None = None  # matmuls' rate at the power limit (matmul_peak)
         self._aborting = threading.Lock()
         bl.install_recompile_log()
         self.watchdog = bl.Watchdog(self._peer_state, self._abort, grace_s=args.peer_grace)
@@ -445,6 +446,10 @@ class Bench:
     def mfu(self, flops_per_s: float, gpus: int = 1) -> float | None:
         """Useful FLOP/s over the peak of `gpus` GPUs like this rank's (a replica: target_parallel)."""
         return flops_per_s / (gpus * self.peak_flops) if self.peak_flops else None
+
+    def mfu_at_sustained(self, flops_per_s: float) -> float | None:
+        """Useful FLOP/s over the matmul rate one GPU holds at its power limit (context for `mfu`)."""
+        return flops_per_s / self.sustained_flops if self.sustained_flops else None
 
 
 def _nccl_version() -> str | None:

@@ -17,6 +17,7 @@ DEFAULTS = {  # per shape kind: warm-up and measured iterations
         pipeline_steps=30,
         transport_iters=50,
         matmul_iters=50,
+        matmul_sustain_s=2.0,
         profile_steps=3,
     ),
     "tiny": dict(
@@ -26,6 +27,7 @@ DEFAULTS = {  # per shape kind: warm-up and measured iterations
         pipeline_steps=8,
         transport_iters=8,
         matmul_iters=5,
+        matmul_sustain_s=0.0,
         profile_steps=2,
     ),
 }
@@ -61,6 +63,11 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p.add_argument("--pipeline-steps", type=int, help="measured optimizer steps of the pipeline")
     p.add_argument("--transport-iters", type=int, help="measured messages of the transport section")
     p.add_argument("--matmul-iters", type=int, help="measured matmuls of the peak")
+    p.add_argument(
+        "--matmul-sustain-s",
+        type=float,
+        help="then matmuls for this long: the rate held at the power limit (GPU default 2, 0: skip)",
+    )
     p.add_argument("--profile-steps", type=int, help="profiled drafter steps of the profile section")
     p.add_argument(
         "--profile-top-kernels",

@@ -79,6 +79,11 @@ def summarize(merged: dict) -> dict:
         for r, v in (_get(s, "matmul_peak", "per_rank") or {}).items()
         if isinstance(v, dict)
     }
+    sustained = {
+        r: v.get("sustained_tflops")
+        for r, v in (_get(s, "matmul_peak", "per_rank") or {}).items()
+        if isinstance(v, dict) and v.get("sustained_tflops") is not None
+    }
     target_rate = _get(s, "target_only", "samples_per_s")
     drafter_rate = _get(s, "drafter_only", "samples_per_s")
     pipeline_rate = _get(s, "pipeline", "samples_per_s")
@@ -156,6 +161,7 @@ def summarize(merged: dict) -> dict:
     summary = {
         "layout": layout["name"],
         "matmul_peak_tflops": peaks,
+        "matmul_sustained_tflops": sustained,
         "target_only": {
             "samples_per_s": target_rate,
             "ms_per_seq": _get(s, "target_only", "ms_per_seq"),
@@ -166,6 +172,7 @@ def summarize(merged: dict) -> dict:
             "ms_per_step": _get(s, "drafter_only", "ms_per_step"),
             "mfu": _get(s, "drafter_only", "mfu"),
             "mfu_head_as_trainable": _get(s, "drafter_only", "mfu_head_as_trainable"),
+            "mfu_at_sustained_matmul_rate": _get(s, "drafter_only", "mfu_at_sustained_matmul_rate"),
         },
         "transport": {
             "gb_per_s": _get(s, "transport", "gb_per_s"),
@@ -293,6 +300,12 @@ def print_table(merged: dict) -> None:
             "matmul peak",
             "TFLOP/s " + " | ".join(f"rank{r}" for r in peak_ranks),
             " | ".join(_fmt(v, ".1f") for v in sm["matmul_peak_tflops"].values()) or "-",
+        ),
+        (
+            "matmul sustained",
+            "TFLOP/s at the power limit "
+            + " | ".join(f"rank{r}" for r in sm.get("matmul_sustained_tflops") or {}),
+            " | ".join(_fmt(v, ".1f") for v in (sm.get("matmul_sustained_tflops") or {}).values()) or "-",
         ),
         (
             f"target only ({target_label})",

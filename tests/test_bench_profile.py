@@ -161,3 +161,31 @@ def test_gpu_kernels_go_to_the_phase_of_their_launching_operator_or_backward_nod
         "share": pytest.approx(90 / (linked + 3)),
         "phase": "layers_backward_matmul",
     }
+
+
+def test_the_sustained_matmul_rate_is_the_mean_of_the_later_windows(monkeypatch):
+    # A GPU at its power limit slows within seconds: the first window (the MFU's peak) is fast,
+    # the later ones are what a long run holds. Windows here: 1 s, then 1, 1, 2, 2 s of matmuls.
+    durations = iter([1.0, 1.0, 1.0, 2.0, 2.0])
+    clock = iter([0.0, 1.0, 2.0, 3.0, 3.4, 5.0])  # the start, then one reading before each window
+
+    class Marks:
+        def __init__(self, device):
+            pass
+
+        def mark(self):
+            pass
+
+        def seconds(self, a, b):
+            return next(durations)
+
+    monkeypatch.setattr(bl.timing, "Marks", Marks)
+    monkeypatch.setattr(bl.timing.time, "perf_counter", lambda: next(clock))
+    result = bl.matmul_peak(torch.device("cpu"), n=8, warmup=1, iters=3, sustain_s=3.5)
+    flops = 2 * 8**3 * 3
+    assert result["tflops"] == flops / 1.0 / 1e12
+    assert result["sustained_windows"] == 4
+    assert result["sustained_tflops"] == pytest.approx(flops / 2.0 / 1e12)  # windows 3 and 4
+    assert result["clock_mhz"] is None and result["power_w"] is None  # no NVML on CPU
+    durations = iter([1.0])
+    assert "sustained_tflops" not in bl.matmul_peak(torch.device("cpu"), n=8, warmup=1, iters=1)

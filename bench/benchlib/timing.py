@@ -83,29 +83,63 @@ def count_nonfinite(section: str, records: list[dict]) -> int:
     return nonfinite
 
 
-def matmul_peak(device: torch.device, n: int, warmup: int, iters: int) -> dict:
-    """Dense n^3 matmul throughput: bf16 on GPU (the MFU denominator), fp32 on CPU."""
+def matmul_peak(device: torch.device, n: int, warmup: int, iters: int, sustain_s: float = 0.0) -> dict:
+    """Dense n^3 matmul throughput: bf16 on GPU (the MFU denominator), fp32 on CPU.
+
+    `tflops` is `iters` back-to-back products (~70 ms at n=8192 on an H200), the MFU denominator.
+    With `sustain_s` > 0 the products go on for that long in windows of `iters`, and
+    `sustained_tflops` is the mean of the windows of the second half: a GPU at its power limit
+    lowers its clock within a second or two, so this is the rate a long run of matmuls holds
+    (reported beside the MFU, which keeps the short peak).
+    """
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
+    flops = 2 * n**3 * iters
+
+    def window() -> float:
+        marks = Marks(device)
+        marks.mark()
+        for _ in range(iters):
+            torch.matmul(a, b, out=out)
+        marks.mark()
+        return marks.seconds(0, 1)
+
     for _ in range(warmup):
         torch.matmul(a, b, out=out)
     sync(device)
-    marks = Marks(device)
-    marks.mark()
-    for _ in range(iters):
-        torch.matmul(a, b, out=out)
-    marks.mark()
-    seconds = marks.seconds(0, 1)
-    flops = 2 * n**3 * iters
-    return {
+    seconds = window()
+    result = {
         "n": n,
         "dtype": str(dtype).replace("torch.", ""),
         "iters": iters,
         "ms_per_matmul": seconds / iters * 1e3,
         "tflops": flops / seconds / 1e12,
     }
+    if sustain_s > 0:
+        rates = []
+        end = time.perf_counter() + sustain_s
+        while time.perf_counter() < end or len(rates) < 2:
+            rates.append(flops / window() / 1e12)
+        held = rates[len(rates) // 2 :]
+        result.update(
+            sustain_s=sustain_s,
+            sustained_tflops=sum(held) / len(held),
+            sustained_windows=len(rates),
+            **_clock_and_power(device),
+        )
+    return result
+
+
+def _clock_and_power(device: torch.device) -> dict:
+    """The GPU's SM clock (MHz) and board power (W) now, where NVML answers; else None."""
+    if device.type != "cuda":
+        return {"clock_mhz": None, "power_w": None}
+    try:
+        return {"clock_mhz": torch.cuda.clock_rate(device), "power_w": torch.cuda.power_draw(device) / 1e3}
+    except Exception:  # no NVML (pynvml) on this machine
+        return {"clock_mhz": None, "power_w": None}
 
 
 def memory_reset(device: torch.device) -> None:

@@ -62,6 +62,7 @@ def run(bench: Bench) -> dict:
         "tflops": flops / seconds / 1e12,
         "mfu": bench.mfu(flops / seconds),
         "mfu_head_as_trainable": bench.mfu(flops_head_as_trainable / seconds),
+        "mfu_at_sustained_matmul_rate": bench.mfu_at_sustained(flops / seconds),
         "first_step_s": first_step_s,
         "process_start_to_first_step_s": start + first_step_s - bench.process_start,
         "steps": steps,
