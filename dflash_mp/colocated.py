@@ -4,10 +4,14 @@ micro-batches, runs the target on them and trains the drafter on the result; DDP
 Rank d trains on the micro-batches drafter d trains on in the split layout
 (Topology.micro_batches_of_drafter) and feeds the drafter what a target rank would have sent
 (roles.features_of, the reference trainer's path), so a colocated job of N ranks trains as the
-split with N drafter ranks: the same loss column, bit for bit on CPU.
+split with N drafter ranks: the same loss column, bit for bit on CPU. As a drafter rank does, it
+takes the next step's first micro-batch (here: reads and tokenizes it, runs the target on it) while
+the device runs the optimizer update, so the host's work at a step's start is not the device's wait.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -17,6 +21,8 @@ from dflash_mp.data import MicroBatchReader
 from dflash_mp.distributed import Job
 from dflash_mp.logs import get_logger
 from dflash_mp.roles import features_of, hidden_states_for_drafter
+from dflash_mp.trainer import PreparedBatch
+from dflash_mp.transport import Features
 from dflash_mp.watchdog import Preempted, beat
 
 
@@ -45,23 +51,41 @@ def run_colocated(
         start_step,
         steps,
     )
+
+    def micro_batch(m: int) -> Features:
+        """Micro-batch m read, through the target, as a drafter rank of the split receives it."""
+        nonlocal bad_before, too_long_before
+        beat("tokenize", trainer.step)
+        with target_clock.busy():
+            batch = reader.read(m)
+        bad, bad_before = reader.bad_records - bad_before, reader.bad_records
+        too_long, too_long_before = reader.too_long_records - too_long_before, reader.too_long_records
+        beat("forward", trainer.step)
+        with target_clock.busy():
+            hidden = hidden_states_for_drafter(extractor, batch, dtype, job.device)
+        return features_of(batch, hidden, bad, too_long)
+
+    # The next step's first micro-batch is read (tokenized on the host), run through the target
+    # and prepared while the device runs the update, as a drafter rank of the split receives it.
+    early: list[PreparedBatch] = []
+
+    def read_early(next_step: int) -> None:
+        with drafter_clock.paused():
+            features = micro_batch(topology.micro_batches_of_drafter(job.drafter_index, next_step)[0])
+        early.append(trainer.prepare(features))
+
     for step in range(start_step, steps):
         mine = topology.micro_batches_of_drafter(job.drafter_index, step)
         for m in mine:
-            beat("tokenize", trainer.step)
-            with target_clock.busy():
-                batch = reader.read(m)
-            bad, bad_before = reader.bad_records - bad_before, reader.bad_records
-            too_long, too_long_before = reader.too_long_records - too_long_before, reader.too_long_records
-            beat("forward", trainer.step)
-            with target_clock.busy():
-                hidden = hidden_states_for_drafter(extractor, batch, dtype, job.device)
+            batch = early.pop() if early else micro_batch(m)
             beat("compute", trainer.step)
             with drafter_clock.busy():
-                trainer.micro_step(features_of(batch, hidden, bad, too_long), last_of_step=m == mine[-1])
+                trainer.micro_step(batch, last_of_step=m == mine[-1])
         beat("optimizer", trainer.step)
         with drafter_clock.busy():
-            record = trainer.optimizer_step()
+            record = trainer.optimizer_step(
+                while_waiting=functools.partial(read_early, step + 1) if step + 1 < steps else None
+            )
         record.update(time_split(target_clock, drafter_clock))
         on_step(record)
         if trainer.step < steps and trainer.stop_agreed:
