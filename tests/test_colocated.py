@@ -95,6 +95,60 @@ def test_colocated_routes_as_the_split_with_as_many_drafters():
         assert colocated.drafter_rank(m) == colocated.drafter_index(m) == split.drafter_index(m)
 
 
+def test_a_colocated_rank_reads_the_next_steps_first_micro_batch_while_the_update_runs():
+    # The host's work at a step's start (reading, tokenizing, the target's forward, the blocks)
+    # happens once the update is queued, so the device does not wait for it (DESIGN.md).
+    import torch
+
+    from dflash_mp.colocated import run_colocated
+    from dflash_mp.data import MicroBatch
+
+    events = []
+    topology = Topology(0, 2, 2)  # 2 colocated ranks, 2 micro-batches per drafter and step
+
+    class Reader:
+        bad_records = too_long_records = 0
+
+        def read(self, m):
+            events.append(("read", m))
+            ids = torch.full((1, 4), m)
+            return MicroBatch(
+                m, 0, ids, torch.ones(1, 4), torch.full((1,), 4), torch.zeros(1, dtype=torch.long)
+            )
+
+    class Trainer:
+        step, stop_agreed = 0, False
+
+        def prepare(self, batch):
+            events.append(("prepare", batch.index))
+            return batch
+
+        def micro_step(self, batch, last_of_step):
+            events.append(("compute", batch.index))
+
+        def optimizer_step(self, while_waiting=None):
+            events.append(("update queued", self.step))
+            if while_waiting is not None:
+                while_waiting()
+            self.step += 1
+            events.append(("read back", self.step))
+            return {"step": self.step}
+
+    def extractor(input_ids):
+        return torch.zeros(*input_ids.shape, 8)
+
+    job = type("Job", (), {"topology": topology, "drafter_index": 1, "device": torch.device("cpu")})()
+    run_colocated(
+        _cfg("train.grad_accum=2"), job, Trainer(), 0, 3, lambda r: None, Reader(), extractor, torch.float32
+    )
+    # Rank 1 trains on micro-batches 2, 3 of step 0, 6, 7 of step 1, 10, 11 of step 2.
+    assert [m for kind, m in events if kind == "compute"] == [2, 3, 6, 7, 10, 11]
+    for step, first in ((0, 6), (1, 10)):
+        queued, read_back = events.index(("update queued", step)), events.index(("read back", step + 1))
+        assert queued < events.index(("read", first)) < events.index(("prepare", first)) < read_back
+    assert ("read", 14) not in events  # nothing is read ahead of the last step
+
+
 def test_role_of_a_rank_that_failed_before_its_heartbeat():
     assert [role_of_rank(r, 2) for r in range(4)] == ["target", "target", "drafter", "drafter"]
     assert role_of_rank(1, 0) == "colocated"

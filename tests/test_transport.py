@@ -217,12 +217,15 @@ class RecordingTrainer:
             self.during_micro_step(batch.index)
 
     def prepare(self, batch):
+        self.fake.events.append(("prepare", batch.index))
         return batch
 
     def optimizer_step(self, while_waiting=None) -> dict:
+        self.fake.events.append(("update queued", self.step))
         if while_waiting is not None:  # as DrafterTrainer: once the update is queued
             while_waiting()
         self.step += 1
+        self.fake.events.append(("read back", self.step))
         return {"step": self.step}
 
 
@@ -253,6 +256,10 @@ def test_the_receives_of_the_next_micro_batch_are_posted_before_the_current_one_
     for m in range(1, steps * 2 - 1):
         assert posted[m + 1] < computed[m], (m, events)
     assert all(posted[m] < computed[m] for m in range(steps * 2))
+    # The next step's first micro-batch is handed out and prepared while the update runs.
+    for step in range(steps - 1):
+        first = events.index(("prepare", 2 * (step + 1)))
+        assert events.index(("update queued", step)) < first < events.index(("read back", step + 1))
 
 
 def test_a_late_header_does_not_hold_up_the_compute_of_the_micro_batch_before_it(loopback):
