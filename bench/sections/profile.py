@@ -174,7 +174,7 @@ def profile_drafter_steps(
 
 
 def _write_trace(prof, path: str) -> None:
-    """The profiler's Chrome trace, gzipped (a 3-step trace is tens of MB of JSON, a few MB gzipped)."""
+    """The profiler's Chrome trace, gzipped (3 steps at Qwen3-8B shape: ~19k events, 0.35 MB gzipped)."""
     with tempfile.TemporaryDirectory() as scratch:
         raw = os.path.join(scratch, "trace.json")
         prof.export_chrome_trace(raw)
