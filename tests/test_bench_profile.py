@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -189,3 +190,67 @@ def test_the_sustained_matmul_rate_is_the_mean_of_the_later_windows(monkeypatch)
     assert result["clock_mhz"] is None and result["power_w"] is None  # no NVML on CPU
     durations = iter([1.0])
     assert "sustained_tflops" not in bl.matmul_peak(torch.device("cpu"), n=8, warmup=1, iters=1)
+
+
+class _FakeNvml:
+    """NVML as nvidia-ml-py answers it: an energy counter (mJ), SM clock, power (mW), reason bits."""
+
+    NVML_CLOCK_SM = 1
+
+    def __init__(self, readings):
+        self.readings = iter(readings)  # (clock MHz, power mW, reasons) per sample, then repeats the last
+        self.last = None
+        self.energy_mj = iter([1_000_000, 1_091_000])  # 91 J between the two ends
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        return next(self.energy_mj)
+
+    def _next(self):
+        self.last = next(self.readings, self.last)
+        return self.last
+
+    def nvmlDeviceGetClockInfo(self, handle, kind):
+        assert kind == self.NVML_CLOCK_SM
+        return self._next()[0]
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return self.last[1]
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+        return self.last[2]
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle):
+        return 700_000
+
+
+def test_the_power_meter_reports_energy_per_step_and_the_power_capped_share(monkeypatch):
+    fake = _FakeNvml([(1980, 500_000, 0), (1455, 691_000, bl.power.SW_POWER_CAP), (1500, 700_000, 0x44)])
+    clock = iter([10.0, 10.5])  # start, stop: 0.5 s
+    monkeypatch.setattr(bl.power.time, "perf_counter", lambda: next(clock))
+    meter = bl.PowerMeter(torch.device("cpu"), interval_s=0.001, nvml=(fake, "handle"))
+    with meter:
+        while len(meter.samples) < 3:  # the sampling thread's three readings
+            time.sleep(0.001)
+        meter._stop.set()  # no sample after the third: the summary below is exact
+    meter.samples = meter.samples[:3]
+    result = meter.result(steps=7)
+    assert result["energy_j_per_step"] == pytest.approx(91 / 7)
+    assert result["mean_power_w"] == pytest.approx(91 / 0.5)
+    assert result["power_limit_w"] == 700
+    assert result["sm_clock_mhz"] == {
+        "mean": pytest.approx((1980 + 1455 + 1500) / 3),
+        "p10": 1455,
+        "p90": 1500,
+    }
+    assert result["sampled_power_w"] == pytest.approx((500 + 691 + 700) / 3)
+    assert result["power_capped_share"] == pytest.approx(2 / 3)  # bit 0x4 in the 2nd and 3rd
+    assert result["thermal_or_hw_slowdown_share"] == pytest.approx(1 / 3)  # 0x40 in the 3rd
+
+
+def test_the_power_meter_is_empty_where_nvml_does_not_answer():
+    with bl.PowerMeter(torch.device("cpu")) as meter:
+        pass
+    assert meter.result(steps=3) == {}
+    assert "sustained_power" not in bl.matmul_peak(
+        torch.device("cpu"), n=8, warmup=1, iters=1, sustain_s=0.01
+    )

@@ -3,7 +3,7 @@
 shapes: the benchmark shapes and their config. synthetic: random micro-batches and models built on
 the device. flops: useful-FLOP counts. timing: device-timeline marks, statistics, the matmul peak,
 memory. compile_watch: recompilations after warm-up. jsonio: JSON between ranks and on disk.
-watchdog: deadlines and failed peers.
+watchdog: deadlines and failed peers. power: energy, power and clock from NVML.
 """
 
 from .compile_watch import CompileWatch, compile_seconds, frames_compiled_total, install_recompile_log
@@ -14,6 +14,7 @@ from .flops import (
     target_flops_per_seq,
 )
 from .jsonio import deep_merge, gather_json, read_json, write_json
+from .power import PowerMeter
 from .shapes import SHAPES, Shape, bench_config
 from .synthetic import (
     DeviceInitDrafter,
@@ -48,6 +49,7 @@ __all__ = [
     "CompileWatch",
     "DeviceInitDrafter",
     "Marks",
+    "PowerMeter",
     "Shape",
     "SyntheticReader",
     "Watchdog",

@@ -6,6 +6,8 @@ import time
 
 import torch
 
+from .power import PowerMeter
+
 GB = 1e9
 GIB = 2**30
 
@@ -120,8 +122,9 @@ def matmul_peak(device: torch.device, n: int, warmup: int, iters: int, sustain_s
     if sustain_s > 0:
         rates = []
         end = time.perf_counter() + sustain_s
-        while time.perf_counter() < end or len(rates) < 2:
-            rates.append(flops / window() / 1e12)
+        with PowerMeter(device) as meter:
+            while time.perf_counter() < end or len(rates) < 2:
+                rates.append(flops / window() / 1e12)  # window() synchronises
         held = rates[len(rates) // 2 :]
         result.update(
             sustain_s=sustain_s,
@@ -129,6 +132,12 @@ def matmul_peak(device: torch.device, n: int, warmup: int, iters: int, sustain_s
             sustained_windows=len(rates),
             **_clock_and_power(device),
         )
+        # Per window of `iters` products; with the energy, the joules a TFLOP of matmuls costs.
+        power = meter.result(steps=len(rates))
+        if power:
+            if "energy_j_per_step" in power:
+                power["joules_per_tflop"] = power["energy_j_per_step"] / (flops / 1e12)
+            result["sustained_power"] = power
     return result
 
 

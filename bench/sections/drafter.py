@@ -23,6 +23,7 @@ def run(bench: Bench) -> dict:
         return {}
     trainer, batch, args = bench.trainer, bench.features, bench.args
     watch = bl.CompileWatch()
+    meter = bl.PowerMeter(bench.device)
     step_s, records = [], []
     start = prev = time.perf_counter()
     first_step_s = t0 = 0.0
@@ -33,6 +34,7 @@ def run(bench: Bench) -> dict:
         if i == args.warmup:
             bl.sync(bench.device)
             watch.start()
+            meter.start()
             t0 = prev = time.perf_counter()
         for micro in range(bench.A):
             trainer.micro_step(early.pop() if early else batch, last_of_step=micro == bench.A - 1)
@@ -49,6 +51,7 @@ def run(bench: Bench) -> dict:
         prev = now
     bl.sync(bench.device)
     seconds = time.perf_counter() - t0
+    meter.stop()
     nonfinite = bl.count_nonfinite("drafter_only", records)
     steps = args.iters
     counted = bench.partial["sections"]["setup"]["result"]["drafter"]
@@ -63,6 +66,8 @@ def run(bench: Bench) -> dict:
         "mfu": bench.mfu(flops / seconds),
         "mfu_head_as_trainable": bench.mfu(flops_head_as_trainable / seconds),
         "mfu_at_sustained_matmul_rate": bench.mfu_at_sustained(flops / seconds),
+        # At the board's power limit the step's time follows its energy (bench/benchlib/power.py).
+        "power": _per_useful_tflop(meter.result(steps), flops / steps),
         "first_step_s": first_step_s,
         "process_start_to_first_step_s": start + first_step_s - bench.process_start,
         "steps": steps,
@@ -87,3 +92,9 @@ def run(bench: Bench) -> dict:
     if bench.rank == bench.first_drafter:
         result.update(measured)
     return result
+
+
+def _per_useful_tflop(power: dict, flops_per_step: float) -> dict:
+    if "energy_j_per_step" in power:
+        power["joules_per_useful_tflop"] = power["energy_j_per_step"] / (flops_per_step / 1e12)
+    return power
