@@ -19,6 +19,7 @@ from torch.profiler import record_function
 
 from dflash_mp.draft_blocks import DraftBlocks, context_positions, draft_blocks
 from dflash_mp.fused_ce import ce_and_grad_in_place, fused_ce_runs_on
+from dflash_mp.models.block_rows import BlockRows, scored_rows
 from dflash_mp.selector_loss import SelectorStats, TopK, selector_loss
 from dflash_mp.top_k import top_k_ids
 
@@ -170,11 +171,12 @@ def chunked_lm_head_loss(
     chunk_tokens: int = 2048,
     multiplier: float = 1.0,
     softcap: float | None = None,
+    scored_only: bool = False,
 ) -> tuple[Tensor, LossStats]:
     """`decay_weighted_ce(scale_logits(hidden @ head_weight.T), ...)` without materialising all
     logits (see `lm_head_loss_and_candidates`)."""
     loss, stats, _ = lm_head_loss_and_candidates(
-        hidden, head_weight, labels, weights, 0, chunk_tokens, multiplier, softcap
+        hidden, head_weight, labels, weights, 0, chunk_tokens, multiplier, softcap, scored_only
     )
     return loss, stats
 
@@ -188,12 +190,14 @@ def lm_head_loss_and_candidates(
     chunk_tokens: int = 2048,
     multiplier: float = 1.0,
     softcap: float | None = None,
+    scored_only: bool = False,
 ) -> tuple[Tensor, LossStats, Tensor]:
     """`decay_weighted_ce(scale_logits(hidden @ head_weight.T, multiplier, softcap), ...)` without
     materialising all logits.
 
     hidden [B,N*Bs,H], head_weight [V,H], labels/weights [B,N,Bs]; block index 0 must carry
-    weight 0 (it holds the known token; `block_labels` never scores it) and is skipped. Logits
+    weight 0 (it holds the known token; `block_labels` never scores it) and is skipped
+    (`scored_only`: hidden is [B,N*(Bs-1),H], without those rows). Logits
     exist one chunk of `chunk_tokens` rows at a time (2048 x 152k bf16 = 0.6 GB) and their
     gradient is taken on the spot (`_LinearCrossEntropy`). Shapes depend only on the batch shape
     and nothing reads back from the GPU, so a compiled step never waits on the host here.
@@ -202,7 +206,8 @@ def lm_head_loss_and_candidates(
     logits and the label's (detached: `selector_loss` gives them their gradient).
     """
     batch, num_blocks, block_size = labels.shape
-    scored_hidden = hidden.reshape(batch, num_blocks, block_size, -1)[:, :, 1:].reshape(-1, hidden.shape[-1])
+    scored_hidden = hidden if scored_only else scored_rows(hidden, block_size)
+    scored_hidden = scored_hidden.reshape(-1, hidden.shape[-1])
     scored_labels = labels[:, :, 1:].reshape(-1)
     scored_weights = weights[:, :, 1:].reshape(-1).float()
     weight_sum = weights.float().sum()
@@ -298,22 +303,40 @@ def drafter_loss(
     labels, weights = blocks.labels, blocks.weights
     # Targets that scale their embeddings (Gemma) get block embeddings scaled as at inference.
     embedding_scale = getattr(drafter_module, "input_embedding_scale", 1.0)
+    # A DFlash drafter computes no row twice and none the loss does not score (block_rows.py).
+    sparing = getattr(drafter_module, "skips_repeated_rows", False)
+    if sparing:  # every block: the anchor's token, then mask tokens (`block_inputs`)
+        block_size = drafter_module.block_size
+        mask_row = torch.full((1, 1), drafter_module.mask_token_id, device=input_ids.device)
+        block_embeddings = BlockRows(
+            F.embedding(blocks.ids[:, ::block_size], embed_weight) * embedding_scale,
+            (F.embedding(mask_row, embed_weight) * embedding_scale).expand(batch_size, 1, -1),
+        )
+    else:
+        block_embeddings = F.embedding(blocks.ids, embed_weight) * embedding_scale
     # Profiler scopes (bench/sections/profile.py reads them; nearly free when no profiler runs).
     with record_function("dflash::drafter_forward"):
-        hidden = drafter(
+        forward_args = (
             batch.hidden_states,
-            F.embedding(blocks.ids, embed_weight) * embedding_scale,
+            block_embeddings,
             context_positions(batch_size, seq_len, input_ids.device),
             blocks.positions,
             blocks.mask,
         )
+        hidden = drafter(*forward_args, scored_rows_only=True) if sparing else drafter(*forward_args)
     multiplier = getattr(drafter_module, "output_multiplier", 1.0)
     softcap = getattr(drafter_module, "final_logit_softcapping", None)
     selector = getattr(drafter_module, "candidate_selector", None)
     if selector is None:
         with record_function("dflash::lm_head_ce"):
             return chunked_lm_head_loss(
-                hidden, head_weight, labels, weights, multiplier=multiplier, softcap=softcap
+                hidden,
+                head_weight,
+                labels,
+                weights,
+                multiplier=multiplier,
+                softcap=softcap,
+                scored_only=sparing,
             )
     with record_function("dflash::lm_head_ce"):
         loss, stats, candidates = lm_head_loss_and_candidates(

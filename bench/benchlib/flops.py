@@ -16,14 +16,20 @@ TARGET_FLOPS_COUNTING = (
 )
 
 DRAFTER_FLOPS_COUNTING = (
-    "train = 3 x (forward without the LM head) + 2 x LM head: the head is frozen, so its backward is "
-    "the input gradient only (no weight gradient). forward per micro-batch = "
+    "train = forward + backward, each matmul's backward being its weight gradient (same FLOPs as "
+    "its forward) plus its input gradient (same again) only where the input needs one: not for fc "
+    "(its input is the frozen target's features), not for the first layer's q/k/v of the block rows "
+    "(the frozen embeddings) and not for the LM head's weight (frozen: input gradient only); "
+    "attention's backward is 2x its forward. forward per micro-batch = "
     "draft layers' q/o projections and MLP over all N*Bs query tokens "
     "+ k/v projections over the S context + N*Bs block tokens "
     "+ fc over the S context tokens (K*H -> H) "
     "+ block-sparse attention actually needed: 4 * heads * head_dim * sum over valid anchors of Bs * (anchor + Bs) "
     "(each block sees the context before its anchor and its own Bs tokens) per layer "
-    "+ LM head 2 * H * V over the tokens with loss weight > 0. "
+    "+ LM head 2 * H * V over the tokens with loss weight > 0; "
+    "a DFlash drafter (not DFlash 2) computes the first layer's q/k/v once per distinct block row "
+    "(N anchors + 1 mask row, not N*Bs) and the last layer's o_proj and MLP without each block's "
+    "index 0 (the loss never scores it), and is counted so. "
     "Counted on the resident micro-batch (the anchors the trainer draws for it); "
     "not counted: norms, RoPE, softmax, the optimizer"
 )
@@ -62,25 +68,37 @@ def drafter_flops_per_micro_batch(shape: Shape, cfg: RootConfig, batch: MicroBat
         batch.input_ids, batch.loss_mask, batch.lengths, anchors, valid, bs, cfg.train.gamma
     )
     q = n * bs
-    per_layer_linear = b * (
-        2 * q * h * nh * hd  # q_proj
-        + 2 * 2 * (s + q) * h * nkv * hd  # k_proj, v_proj over context + block tokens
-        + 2 * q * nh * hd * h  # o_proj
-        + 2 * 3 * q * h * inter  # gate, up, down
-    )
+    # Per row of a layer's input: q_proj; k_proj + v_proj; o_proj + MLP (2 FLOPs per multiply-add).
+    q_per_row, kv_per_row = 2 * h * nh * hd, 2 * 2 * h * nkv * hd
+    out_per_row = 2 * nh * hd * h + 2 * 3 * h * inter
+    spares = cfg.model.arch == "dflash"  # block_rows.py: DFlash 2's convolutions mix rows first
+    first_rows = b * (n + 1) if spares else b * q  # the rows the first layer projects
+    last_rows = b * n * (bs - 1) if spares else b * q  # the rows the last layer's o_proj and MLP take
+    all_rows_layer = b * (q * (q_per_row + out_per_row) + (s + q) * kv_per_row)
+    first_block_qkv = first_rows * (q_per_row + kv_per_row)
+    layers_linear = num_layers * all_rows_layer - b * q * (q_per_row + kv_per_row) + first_block_qkv
+    layers_linear -= (b * q - last_rows) * out_per_row
     attended_pairs = int((((anchors + bs) * valid).sum()) * bs)
     per_layer_attention = 4 * nh * hd * attended_pairs
     fc = 2 * b * s * k_layers * h * h
     scored = int((weights > 0).sum())
     lm_head = 2 * scored * h * shape.vocab
-    forward = num_layers * (per_layer_linear + per_layer_attention) + fc + lm_head
+    attention = num_layers * per_layer_attention
+    forward = layers_linear + attention + fc + lm_head
+    # Backward: weight and input gradients of the layers' matmuls but for the first layer's block
+    # rows' q/k/v input gradient (frozen embeddings in); fc's weight gradient only; the head's input
+    # gradient only.
+    backward = 2 * layers_linear - first_block_qkv + 2 * attention + fc + lm_head
+    # The counting before 2026-12-02 (3x forward but the head's 2x, every row), to compare runs across it.
+    forward_all_rows = num_layers * (all_rows_layer + per_layer_attention) + fc + lm_head
     return {
         "forward": forward,
-        "train": 3 * (forward - lm_head) + 2 * lm_head,
-        # What the previous counting (3 x forward, head included) gave, to compare runs across it.
-        "train_head_as_trainable": 3 * forward,
-        "layers_linear": num_layers * per_layer_linear,
-        "layers_attention": num_layers * per_layer_attention,
+        "train": forward + backward,
+        "train_previous_counting": 3 * (forward_all_rows - lm_head) + 2 * lm_head,
+        # What the counting before that gave (3 x forward, head included).
+        "train_head_as_trainable": 3 * forward_all_rows,
+        "layers_linear": layers_linear,
+        "layers_attention": attention,
         "fc": fc,
         "lm_head": lm_head,
         "query_tokens": b * q,

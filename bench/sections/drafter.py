@@ -57,6 +57,7 @@ def run(bench: Bench) -> dict:
     counted = bench.partial["sections"]["setup"]["result"]["drafter"]
     flops = counted["flops_per_micro_batch"] * bench.A * steps
     flops_head_as_trainable = counted["flops_per_micro_batch_head_as_trainable"] * bench.A * steps
+    flops_previous = counted["flops_per_micro_batch_previous_counting"] * bench.A * steps
     measured = {
         "samples_per_s": steps * bench.A * bench.B / seconds,
         "ms_per_step": seconds / steps * 1e3,
@@ -65,6 +66,7 @@ def run(bench: Bench) -> dict:
         "tflops": flops / seconds / 1e12,
         "mfu": bench.mfu(flops / seconds),
         "mfu_head_as_trainable": bench.mfu(flops_head_as_trainable / seconds),
+        "mfu_previous_counting": bench.mfu(flops_previous / seconds),  # benchlib/flops.py
         "mfu_at_sustained_matmul_rate": bench.mfu_at_sustained(flops / seconds),
         # At the board's power limit the step's time follows its energy (bench/benchlib/power.py).
         "power": _per_useful_tflop(meter.result(steps), flops / steps),

@@ -65,6 +65,7 @@ def _setup_drafter(bench: Bench) -> dict:
         "build_s": time.perf_counter() - start,
         "params": bl.count_params(bench.trainer.drafter),
         "flops_per_micro_batch": flops["train"],
+        "flops_per_micro_batch_previous_counting": flops["train_previous_counting"],
         "flops_per_micro_batch_head_as_trainable": flops["train_head_as_trainable"],
         "flops_breakdown_forward": {
             k: flops[k] for k in ("forward", "layers_linear", "layers_attention", "fc", "lm_head")

@@ -25,6 +25,7 @@ from transformers import PretrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from dflash_mp.block_mask import TileMask
+from dflash_mp.models.block_rows import BlockRows, expand_compact, scored_rows
 from dflash_mp.models.dflash2 import CandidateSelector, GroupedDynamicConv
 from dflash_mp.models.flash_attention import flash_block_attention
 
@@ -200,6 +201,7 @@ class DFlashAttention(nn.Module):
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
+        self.block_size = int(config.dflash_config["block_size"])
         self.head_dim = config.head_dim
         self.scaling = self.head_dim**-0.5
         bias = config.attention_bias
@@ -217,29 +219,57 @@ class DFlashAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: AttentionMask,
+        compact: bool = False,
+        drop_first: bool = False,
     ) -> torch.Tensor:
-        batch, num_queries, _ = hidden_states.shape
-        keys_in = torch.cat([context, hidden_states], dim=1)
-        num_keys = keys_in.shape[1]
-        q = self.q_norm(self.q_proj(hidden_states).view(batch, num_queries, -1, self.head_dim))
-        k = self.k_norm(self.k_proj(keys_in).view(batch, num_keys, -1, self.head_dim))
-        v = self.v_proj(keys_in).view(batch, num_keys, -1, self.head_dim)
+        """Attention output [B, Q, H] of the block rows `hidden_states` [B, Q, H]; `compact`: they
+        are compact rows [B, N+1, H] (block_rows.py) and Q = N*Bs; `drop_first`: the output
+        leaves out each block's index 0 ([B, N*(Bs-1), H])."""
+        q, k, v = self._project(hidden_states, context, compact)
+        batch, num_queries = q.shape[:2]
         if isinstance(mask, TileMask):
             # FlashAttention 4 takes [B, tokens, heads, head_dim]: RoPE in that layout, no transposes.
             cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)
             q = _rope(q, cos[:, -num_queries:], sin[:, -num_queries:]).to(v.dtype)
             k = _rope(k, cos, sin).to(v.dtype)
             out = flash_block_attention(q, k, v, mask, self.scaling)
-            return self.o_proj(out.reshape(batch, num_queries, -1))
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, tokens, head_dim]
-        # cos/sin cover [context ; block] positions; the queries are the block, i.e. the last rows.
-        q = _rope(q, cos[:, :, -num_queries:], sin[:, :, -num_queries:])
-        k = _rope(k, cos, sin)
-        if isinstance(mask, BlockMask):
-            out = _compiled_flex_attention()(q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, num_queries, -1))
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, tokens, head_dim]
+            # cos/sin cover [context ; block] positions; the queries are the block, i.e. the last rows.
+            q = _rope(q, cos[:, :, -num_queries:], sin[:, :, -num_queries:])
+            k = _rope(k, cos, sin)
+            if isinstance(mask, BlockMask):
+                out = _compiled_flex_attention()(
+                    q, k, v, block_mask=mask, scale=self.scaling, enable_gqa=True
+                )
+            else:
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=True
+                )
+            out = out.transpose(1, 2)
+        out = out.reshape(batch, num_queries, -1)
+        return self.o_proj(scored_rows(out, self.block_size) if drop_first else out)
+
+    def _project(
+        self, hidden_states: torch.Tensor, context: torch.Tensor, compact: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, Q, heads, head_dim] of the block rows; k, v [B, S+Q, kv_heads, head_dim] of
+        [context ; block rows], normed (q, k) and before RoPE."""
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.view(*x.shape[:2], -1, self.head_dim)
+
+        if not compact:
+            keys_in = torch.cat([context, hidden_states], dim=1)
+            q = self.q_norm(heads(self.q_proj(hidden_states)))
+            return q, self.k_norm(heads(self.k_proj(keys_in))), heads(self.v_proj(keys_in))
+        # Row-wise projections and norms of the distinct rows, expanded after (block_rows.py).
+        bs = self.block_size
+        q = expand_compact(self.q_norm(heads(self.q_proj(hidden_states))), bs)
+        k_block = expand_compact(self.k_norm(heads(self.k_proj(hidden_states))), bs)
+        v_block = expand_compact(heads(self.v_proj(hidden_states)), bs)
+        k = torch.cat([self.k_norm(heads(self.k_proj(context))), k_block], dim=1)
+        return q, k, torch.cat([heads(self.v_proj(context)), v_block], dim=1)
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -270,11 +300,23 @@ class DFlashDecoderLayer(nn.Module):
         sin: torch.Tensor,
         mask: AttentionMask,
         position_in_block: torch.Tensor | None = None,
+        compact: bool = False,
+        drop_first: bool = False,
     ) -> torch.Tensor:
+        """`compact`: `hidden_states` are compact block rows (block_rows.py); `drop_first`: the
+        output leaves out each block's index 0. Both for DFlash layers only (no convolutions)."""
         normed = self.input_layernorm(hidden_states)
         if self.attention_conv is None:
-            hidden_states = hidden_states + self.self_attn(normed, context, cos, sin, mask)
+            attended = self.self_attn(normed, context, cos, sin, mask, compact, drop_first)
+            block_size = self.self_attn.block_size
+            if compact:
+                hidden_states = expand_compact(hidden_states, block_size)
+            if drop_first:
+                hidden_states = scored_rows(hidden_states, block_size)
+            hidden_states = hidden_states + attended
             return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        if compact or drop_first:  # a convolution mixes a block's rows before and after each sublayer
+            raise ValueError("compact and drop_first apply to DFlash layers, not DFlash 2's")
         # The convolutions take the normed input in the residual stream's dtype. Under autocast the
         # fp32 norm weight would make it fp32, where the reference's bf16 drafter convolves bf16;
         # fp32 also doubles what the convolution and its backward move (DFlash 2 step at block 8
@@ -374,26 +416,37 @@ class DFlashDrafter(nn.Module):
     def compile_layers(self, **compile_options: Any) -> None:
         """torch.compile each decoder layer ("regional compilation").
 
-        Two compiled graphs serve all layers (layer 0, whose input needs no gradient, and the rest),
-        so a cold start compiles two layers' forward and backward instead of the whole unrolled
+        A few compiled graphs serve all layers (in training: layer 0, on compact rows whose input
+        needs no gradient, the middle layers and the last one, without each block's index 0), so a
+        cold start compiles those layers' forward and backward instead of the whole unrolled
         drafter; fusion inside a layer, where the elementwise work is, is the same. The few ops
         around the layers (fc, two norms, RoPE tables) stay eager.
         """
         for layer in self.layers:
             layer.compile(**compile_options)
 
+    @property
+    def skips_repeated_rows(self) -> bool:
+        """Whether `forward` computes a first layer on compact rows and a last layer without each
+        block's index 0 (block_rows.py); DFlash 2's convolutions mix a block's rows first."""
+        return self.arch == "dflash"
+
     def forward(
         self,
         context_features: torch.Tensor,
-        block_embeddings: torch.Tensor,
+        block_embeddings: torch.Tensor | BlockRows,
         context_positions: torch.Tensor,
         block_positions: torch.Tensor,
         mask: AttentionMask | Mapping[str, AttentionMask],
+        scored_rows_only: bool = False,
     ) -> torch.Tensor:
-        """Hidden states [B, Q, H] (after the final norm) for the block tokens.
+        """Hidden states [B, Q, H] (after the final norm) for the block tokens; with
+        `scored_rows_only`, [B, N*(Bs-1), H]: without each block's index 0, which the loss never scores.
 
         context_features [B, S, K*H] are the concatenated target layer outputs; block_embeddings
-        [B, Q, H] the target's embeddings of the block tokens; positions are the tokens' true positions.
+        [B, Q, H] the target's embeddings of the block tokens, or a `BlockRows` of back-to-back
+        blocks of Bs (anchor token, then mask tokens), which spares the first layer the repeated
+        rows; positions are the tokens' true positions.
         `mask` is a boolean [B, 1, Q, S+Q] tensor (True = may attend; keys are context first, then the
         block), a flex_attention BlockMask over the same [Q, S+Q] layout or a TileMask (FlashAttention 4;
         `dflash_mp.block_mask`); or a mapping from layer
@@ -401,16 +454,25 @@ class DFlashDrafter(nn.Module):
         """
         context = self.hidden_norm(self.fc(context_features))
         positions = torch.cat([context_positions, block_positions], dim=1)
-        cos, sin = self.rotary_emb(block_embeddings, positions)
+        compact = isinstance(block_embeddings, BlockRows)
+        # The tables take the block embeddings' dtype (bf16 in training), as the reference's do.
+        cos, sin = self.rotary_emb(block_embeddings.first if compact else block_embeddings, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
-        hidden_states = block_embeddings
+        hidden_states = block_embeddings.compact() if compact else block_embeddings
+        if compact and not self.skips_repeated_rows:
+            hidden_states, compact = expand_compact(hidden_states, self.block_size), False
         # Blocks lie back to back (training) or alone (decoding): row q is at index q % Bs of its block.
         position_in_block = None
         if self.arch == "dflash2":
-            position_in_block = torch.arange(block_embeddings.shape[1], device=block_embeddings.device)
+            position_in_block = torch.arange(block_positions.shape[1], device=block_positions.device)
             position_in_block = position_in_block % self.block_size
-        for layer, layer_type in zip(self.layers, self.layer_types, strict=True):
+        last = len(self.layers) - 1
+        for index, (layer, layer_type) in enumerate(zip(self.layers, self.layer_types, strict=True)):
             layer_mask = mask[layer_type] if isinstance(mask, Mapping) else mask
+            rows = (
+                compact and index == 0,  # compact input rows
+                scored_rows_only and self.skips_repeated_rows and index == last,  # drop index 0
+            )
             if self.gradient_checkpointing and self.training:
                 hidden_states = checkpoint(
                     layer,
@@ -420,8 +482,12 @@ class DFlashDrafter(nn.Module):
                     sin,
                     layer_mask,
                     position_in_block,
+                    *rows,
                     use_reentrant=False,
                 )
             else:
-                hidden_states = layer(hidden_states, context, cos, sin, layer_mask, position_in_block)
-        return self.norm(hidden_states)
+                hidden_states = layer(hidden_states, context, cos, sin, layer_mask, position_in_block, *rows)
+        hidden_states = self.norm(hidden_states)
+        if scored_rows_only and not self.skips_repeated_rows:
+            hidden_states = scored_rows(hidden_states, self.block_size)
+        return hidden_states
