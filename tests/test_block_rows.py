@@ -11,7 +11,7 @@ from transformers import Qwen3Config
 from dflash_mp.block_diffusion import drafter_loss
 from dflash_mp.block_mask import dense_block_mask
 from dflash_mp.draft_blocks import context_positions
-from dflash_mp.models.block_rows import BlockRows, expand_compact, scored_rows
+from dflash_mp.models.block_rows import BlockRows, expand_rows, scored_rows
 from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
 
 HIDDEN, BLOCK, MASK_ID, VOCAB = 32, 4, 99, 100
@@ -57,7 +57,7 @@ def _inputs(batch: int = 2, context_len: int = 12, blocks: int = 3):
 def test_compact_rows_expand_to_the_full_layout_and_the_scored_rows_leave_index_0_out() -> None:
     first = torch.arange(6.0).view(1, 3, 2)  # 3 blocks, feature width 2
     mask = torch.tensor([[[-1.0, -2.0]]])
-    full = expand_compact(BlockRows(first, mask).compact(), block_size=3)
+    full = expand_rows(BlockRows(first, mask), block_size=3)
     expected = torch.tensor(
         [[0, 1], [-1, -2], [-1, -2], [2, 3], [-1, -2], [-1, -2], [4, 5], [-1, -2], [-1, -2]]
     )
@@ -71,7 +71,7 @@ def test_compact_first_layer_and_scored_last_layer_equal_the_full_rows(
 ) -> None:
     drafter = _drafter(layers, checkpointing=checkpointing).train()
     features, rows, args = _inputs()
-    full_input = expand_compact(rows.compact(), BLOCK)
+    full_input = expand_rows(rows, BLOCK)
 
     full = scored_rows(drafter(features, full_input, *args), BLOCK)
     full_grads = torch.autograd.grad(full.square().sum(), list(drafter.parameters()))
@@ -81,7 +81,7 @@ def test_compact_first_layer_and_scored_last_layer_equal_the_full_rows(
     assert spared.shape == (2, 3 * (BLOCK - 1), HIDDEN)
     torch.testing.assert_close(spared, full, rtol=1e-5, atol=1e-5)
     for (name, _), a, b in zip(drafter.named_parameters(), spared_grads, full_grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)  # sums in another order
     # Without scored_rows_only the compact input gives every row, index 0 included.
     torch.testing.assert_close(drafter(features, rows, *args), drafter(features, full_input, *args))
 
@@ -91,12 +91,12 @@ def test_a_dflash2_drafter_expands_compact_rows_and_drops_index_0_after_its_last
     assert not drafter.skips_repeated_rows  # its convolutions mix a block's rows first
     features, rows, args = _inputs()
     with torch.no_grad():
-        full = drafter(features, expand_compact(rows.compact(), BLOCK), *args)
+        full = drafter(features, expand_rows(rows, BLOCK), *args)
         torch.testing.assert_close(
             drafter(features, rows, *args, scored_rows_only=True), scored_rows(full, BLOCK)
         )
     with pytest.raises(ValueError, match="DFlash layers"):
-        drafter.layers[0](rows.compact(), features, None, None, None, None, compact=True)
+        drafter.layers[0](rows, features, None, None, None, None, compact=True)
 
 
 def test_drafter_loss_spares_the_repeated_rows_with_the_same_loss_and_gradients(monkeypatch) -> None:

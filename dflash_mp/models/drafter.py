@@ -25,7 +25,7 @@ from transformers import PretrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from dflash_mp.block_mask import TileMask
-from dflash_mp.models.block_rows import BlockRows, expand_compact, scored_rows
+from dflash_mp.models.block_rows import BlockRows, expand_rows, scored_rows
 from dflash_mp.models.dflash2 import CandidateSelector, GroupedDynamicConv
 from dflash_mp.models.flash_attention import flash_block_attention
 
@@ -223,8 +223,8 @@ class DFlashAttention(nn.Module):
         drop_first: bool = False,
     ) -> torch.Tensor:
         """Attention output [B, Q, H] of the block rows `hidden_states` [B, Q, H]; `compact`: they
-        are compact rows [B, N+1, H] (block_rows.py) and Q = N*Bs; `drop_first`: the output
-        leaves out each block's index 0 ([B, N*(Bs-1), H])."""
+        are a `BlockRows` (block_rows.py) and Q = N*Bs; `drop_first`: the output leaves out each
+        block's index 0 ([B, N*(Bs-1), H])."""
         q, k, v = self._project(hidden_states, context, compact)
         batch, num_queries = q.shape[:2]
         if isinstance(mask, TileMask):
@@ -251,7 +251,7 @@ class DFlashAttention(nn.Module):
         return self.o_proj(scored_rows(out, self.block_size) if drop_first else out)
 
     def _project(
-        self, hidden_states: torch.Tensor, context: torch.Tensor, compact: bool
+        self, hidden_states: torch.Tensor | BlockRows, context: torch.Tensor, compact: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, Q, heads, head_dim] of the block rows; k, v [B, S+Q, kv_heads, head_dim] of
         [context ; block rows], normed (q, k) and before RoPE."""
@@ -265,9 +265,9 @@ class DFlashAttention(nn.Module):
             return q, self.k_norm(heads(self.k_proj(keys_in))), heads(self.v_proj(keys_in))
         # Row-wise projections and norms of the distinct rows, expanded after (block_rows.py).
         bs = self.block_size
-        q = expand_compact(self.q_norm(heads(self.q_proj(hidden_states))), bs)
-        k_block = expand_compact(self.k_norm(heads(self.k_proj(hidden_states))), bs)
-        v_block = expand_compact(heads(self.v_proj(hidden_states)), bs)
+        q = expand_rows(hidden_states.map(lambda x: self.q_norm(heads(self.q_proj(x)))), bs)
+        k_block = expand_rows(hidden_states.map(lambda x: self.k_norm(heads(self.k_proj(x)))), bs)
+        v_block = expand_rows(hidden_states.map(lambda x: heads(self.v_proj(x))), bs)
         k = torch.cat([self.k_norm(heads(self.k_proj(context))), k_block], dim=1)
         return q, k, torch.cat([heads(self.v_proj(context)), v_block], dim=1)
 
@@ -303,20 +303,23 @@ class DFlashDecoderLayer(nn.Module):
         compact: bool = False,
         drop_first: bool = False,
     ) -> torch.Tensor:
-        """`compact`: `hidden_states` are compact block rows (block_rows.py); `drop_first`: the
-        output leaves out each block's index 0. Both for DFlash layers only (no convolutions)."""
-        normed = self.input_layernorm(hidden_states)
+        """`compact`: `hidden_states` is a `BlockRows` (block_rows.py); `drop_first`: the output
+        leaves out each block's index 0. Both for DFlash layers only (no convolutions)."""
         if self.attention_conv is None:
+            normed = (
+                hidden_states.map(self.input_layernorm) if compact else self.input_layernorm(hidden_states)
+            )
             attended = self.self_attn(normed, context, cos, sin, mask, compact, drop_first)
             block_size = self.self_attn.block_size
             if compact:
-                hidden_states = expand_compact(hidden_states, block_size)
+                hidden_states = expand_rows(hidden_states, block_size)
             if drop_first:
                 hidden_states = scored_rows(hidden_states, block_size)
             hidden_states = hidden_states + attended
             return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         if compact or drop_first:  # a convolution mixes a block's rows before and after each sublayer
             raise ValueError("compact and drop_first apply to DFlash layers, not DFlash 2's")
+        normed = self.input_layernorm(hidden_states)
         # The convolutions take the normed input in the residual stream's dtype. Under autocast the
         # fp32 norm weight would make it fp32, where the reference's bf16 drafter convolves bf16;
         # fp32 also doubles what the convolution and its backward move (DFlash 2 step at block 8
@@ -458,9 +461,9 @@ class DFlashDrafter(nn.Module):
         # The tables take the block embeddings' dtype (bf16 in training), as the reference's do.
         cos, sin = self.rotary_emb(block_embeddings.first if compact else block_embeddings, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
-        hidden_states = block_embeddings.compact() if compact else block_embeddings
+        hidden_states = block_embeddings
         if compact and not self.skips_repeated_rows:
-            hidden_states, compact = expand_compact(hidden_states, self.block_size), False
+            hidden_states, compact = expand_rows(block_embeddings, self.block_size), False
         # Blocks lie back to back (training) or alone (decoding): row q is at index q % Bs of its block.
         position_in_block = None
         if self.arch == "dflash2":
