@@ -74,6 +74,7 @@ from sections import SECTIONS  # noqa: E402
 from summary import print_table, summarize  # noqa: E402
 
 from dflash_mp.distributed import init_job  # noqa: E402
+from dflash_mp.models.drafter import DFlashDrafter  # noqa: E402
 from dflash_mp.target_parallel import replica_mesh  # noqa: E402
 from dflash_mp.topology import Topology  # noqa: E402
 from dflash_mp.trainer import DrafterTrainer, resolve_precision  # noqa: E402
@@ -465,6 +466,8 @@ def main(argv=None) -> int:
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     if on_cpu and args.shape != "tiny":
         raise SystemExit(f"bench.py: --shape {args.shape} needs GPUs; on CPU use --shape tiny --device cpu")
+    if args.compute_every_row:  # before Bench builds a drafter
+        DFlashDrafter.skips_repeated_rows = False
     layout = layout_from_env(args)
     args.out = args.out or default_out(args.shape, layout)
     bench = Bench(args, layout)

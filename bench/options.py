@@ -96,6 +96,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         "--peer-grace", type=float, default=30.0, help="s to wait on a peer that reported a failure"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--compute-every-row",
+        action="store_true",
+        help="A/B: a DFlash drafter computes the repeated and unscored block rows too "
+        "(dflash_mp/models/block_rows.py), as before 2026-12-02",
+    )
     p.add_argument("--block-size", type=int, help="draft block size (default: the shape's, 16 on GPU shapes)")
     p.add_argument(
         "--override", action="append", default=[], help="Hydra override for the config (repeatable)"

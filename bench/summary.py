@@ -173,6 +173,9 @@ def summarize(merged: dict) -> dict:
             "mfu": _get(s, "drafter_only", "mfu"),
             "mfu_head_as_trainable": _get(s, "drafter_only", "mfu_head_as_trainable"),
             "mfu_at_sustained_matmul_rate": _get(s, "drafter_only", "mfu_at_sustained_matmul_rate"),
+            "energy_j_per_step": _get(s, "drafter_only", "power", "energy_j_per_step"),
+            "mean_power_w": _get(s, "drafter_only", "power", "mean_power_w"),
+            "power_capped_share": _get(s, "drafter_only", "power", "power_capped_share"),
         },
         "transport": {
             "gb_per_s": _get(s, "transport", "gb_per_s"),
@@ -318,6 +321,12 @@ def print_table(merged: dict) -> None:
             "samples/s | ms/step | MFU (head as trainable)",
             f"{_fmt(sm['drafter_only']['samples_per_s'])} | {_fmt(sm['drafter_only']['ms_per_step'], '.1f')} | "
             f"{_fmt(sm['drafter_only']['mfu'], '.1%')} ({_fmt(sm['drafter_only']['mfu_head_as_trainable'], '.1%')})",
+        ),
+        (
+            "drafter step power",
+            "J/step | mean W | power-capped share",
+            f"{_fmt(sm['drafter_only']['energy_j_per_step'], '.1f')} | {_fmt(sm['drafter_only']['mean_power_w'], '.0f')} | "
+            f"{_fmt(sm['drafter_only']['power_capped_share'], '.0%')}",
         ),
         (
             "transport",
