@@ -288,7 +288,7 @@ def run_config(cfg: RootConfig) -> DictConfig:
     what it trained with."""
     resolved = OmegaConf.structured(cfg)
     resolved.model.mask_token_id = mask_token_id(cfg.model)
-    from dflash_mp.models.drafter import SCALING_DEFAULTS, target_scaling
+    from dflash_mp.models.drafter_config import SCALING_DEFAULTS, target_scaling
 
     derived = target_scaling(read_target_config(cfg.model.target_path))
     for key in SCALING_DEFAULTS:  # null: what the target does, written out

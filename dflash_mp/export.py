@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from dflash_mp.checkpoint import fsync_path
-from dflash_mp.models.drafter import ARCHITECTURES, DFlashDrafter
+from dflash_mp.models.drafter import DFlashDrafter
+from dflash_mp.models.drafter_config import ARCHITECTURES
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -22,7 +22,8 @@ from dflash_mp.block_diffusion import drafter_loss, loss_blocks, per_position_ac
 from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
 from dflash_mp.draft_blocks import DraftBlocks
 from dflash_mp.mask_token import mask_token_id
-from dflash_mp.models.drafter import DFLASH2_FIELDS, SCALING_DEFAULTS, DFlashDrafter, build_drafter_config
+from dflash_mp.models.drafter import DFlashDrafter
+from dflash_mp.models.drafter_config import DFLASH2_FIELDS, SCALING_DEFAULTS, build_drafter_config
 from dflash_mp.models.flash_attention import check_flash_supported, flash_unusable_reason
 from dflash_mp.models.target import load_embedding_and_head
 from dflash_mp.selector_loss import add_selector_stats, pack_selector_totals, selector_metrics

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from dflash_mp.models.drafter import build_drafter_config
+from dflash_mp.models.drafter_config import build_drafter_config
 from dflash_mp.models.tensor_parallel import layer_plan
 from dflash_mp.plan.measured import read_bench
 from tests.conftest import REPO

@@ -12,7 +12,8 @@ from dflash_mp.block_diffusion import drafter_loss
 from dflash_mp.block_mask import dense_block_mask
 from dflash_mp.draft_blocks import context_positions
 from dflash_mp.models.block_rows import BlockRows, expand_rows, scored_rows
-from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_mp.models.drafter import DFlashDrafter
+from dflash_mp.models.drafter_config import build_drafter_config
 
 HIDDEN, BLOCK, MASK_ID, VOCAB = 32, 4, 99, 100
 TARGET = Qwen3Config(

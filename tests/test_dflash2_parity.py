@@ -20,7 +20,8 @@ from transformers import Qwen3Config
 from dflash_mp.export import export_drafter, load_exported_drafter
 from dflash_mp.models import dflash2 as dflash2_module
 from dflash_mp.models.dflash2 import GroupedDynamicConv
-from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_mp.models.drafter import DFlashDrafter
+from dflash_mp.models.drafter_config import build_drafter_config
 
 HIDDEN = 64
 BLOCK = 4

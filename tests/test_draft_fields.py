@@ -32,7 +32,8 @@ from dflash_mp.draft_blocks import block_inputs, block_labels, sample_anchors
 from dflash_mp.evaluation import load_eval_prompts, stop_token_ids
 from dflash_mp.export import export_drafter, load_exported_drafter
 from dflash_mp.models import drafter as drafter_module
-from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config, scale_logits
+from dflash_mp.models.drafter import DFlashDrafter, scale_logits
+from dflash_mp.models.drafter_config import build_drafter_config
 from dflash_mp.validation import validate
 from tests.drafters import embedded_config, embedded_target, train_on_target_tokens
 

@@ -14,7 +14,8 @@ from transformers import Qwen3Config
 
 from dflash_mp.export import export_drafter
 from dflash_mp.models import drafter as drafter_module
-from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_mp.models.drafter import DFlashDrafter
+from dflash_mp.models.drafter_config import build_drafter_config
 
 HIDDEN = 64
 BLOCK = 4

@@ -24,7 +24,8 @@ from dflash_mp.eval import (
 )
 from dflash_mp.evaluation import require_room_for_target
 from dflash_mp.export import export_drafter
-from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_mp.models.drafter import DFlashDrafter
+from dflash_mp.models.drafter_config import build_drafter_config
 from dflash_mp.models.target import checkpoint_bytes
 from dflash_mp.reference import reference_train
 from dflash_mp.trainer import build_drafter

@@ -12,7 +12,8 @@ from transformers import Qwen3Config
 
 from dflash_mp import export
 from dflash_mp.export import export_drafter, load_exported_drafter
-from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_mp.models.drafter import DFlashDrafter
+from dflash_mp.models.drafter_config import build_drafter_config
 
 TARGET = Qwen3Config(
     hidden_size=32,

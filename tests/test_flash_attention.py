@@ -21,7 +21,8 @@ from dflash_mp.block_diffusion import drafter_loss
 from dflash_mp.block_mask import FLEX_TILE, block_mask_mod, tile_block_mask
 from dflash_mp.models import drafter as drafter_module
 from dflash_mp.models import flash_attention
-from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_mp.models.drafter import DFlashDrafter
+from dflash_mp.models.drafter_config import build_drafter_config
 from tests.test_block_diffusion import make_sequences
 
 HIDDEN, VOCAB, BLOCK, SEQ_LEN = 64, 300, 16, 150

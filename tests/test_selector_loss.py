@@ -185,7 +185,8 @@ def test_dflash2_loss_on_cuda_flex_equals_sdpa_and_a_warm_step_never_syncs() -> 
     from transformers import Qwen3Config
 
     from dflash_mp.block_diffusion import drafter_loss
-    from dflash_mp.models.drafter import DFlashDrafter, build_drafter_config
+    from dflash_mp.models.drafter import DFlashDrafter
+    from dflash_mp.models.drafter_config import build_drafter_config
 
     target = Qwen3Config(
         hidden_size=64,

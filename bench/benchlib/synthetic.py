@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dflash_mp.data import MicroBatch
 from dflash_mp.models.dflash2 import GroupedDynamicConv
-from dflash_mp.models.drafter import DFLASH2_FIELDS, SCALING_DEFAULTS, DFlashDrafter, build_drafter_config
+from dflash_mp.models.drafter import DFlashDrafter
+from dflash_mp.models.drafter_config import DFLASH2_FIELDS, SCALING_DEFAULTS, build_drafter_config
 from dflash_mp.models.target import TargetFeatureExtractor
 from dflash_mp.transport import Features, pack_tokens, unpack_tokens
 
