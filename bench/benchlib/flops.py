@@ -17,9 +17,8 @@ TARGET_FLOPS_COUNTING = (
 
 DRAFTER_FLOPS_COUNTING = (
     "train = forward + backward, each matmul's backward being its weight gradient (same FLOPs as "
-    "its forward) plus its input gradient (same again) only where the input needs one: not for fc "
-    "(its input is the frozen target's features), not for the first layer's q/k/v of the block rows "
-    "(the frozen embeddings) and not for the LM head's weight (frozen: input gradient only); "
+    "its forward) plus its input gradient (same again) where the input needs one: not for fc (its "
+    "input is the frozen target's features); the frozen LM head has the input gradient only; "
     "attention's backward is 2x its forward. forward per micro-batch = "
     "draft layers' q/o projections and MLP over all N*Bs query tokens "
     "+ k/v projections over the S context + N*Bs block tokens "
@@ -85,10 +84,10 @@ def drafter_flops_per_micro_batch(shape: Shape, cfg: RootConfig, batch: MicroBat
     lm_head = 2 * scored * h * shape.vocab
     attention = num_layers * per_layer_attention
     forward = layers_linear + attention + fc + lm_head
-    # Backward: weight and input gradients of the layers' matmuls but for the first layer's block
-    # rows' q/k/v input gradient (frozen embeddings in); fc's weight gradient only; the head's input
-    # gradient only.
-    backward = 2 * layers_linear - first_block_qkv + 2 * attention + fc + lm_head
+    # Backward: weight and input gradients of the layers' matmuls (the first layer's q/k/v too: its
+    # norm's weight needs the gradient of the normed rows); fc's weight gradient only (frozen
+    # features in); the head's input gradient only.
+    backward = 2 * layers_linear + 2 * attention + fc + lm_head
     # The counting before 2026-12-02 (3x forward but the head's 2x, every row), to compare runs across it.
     forward_all_rows = num_layers * (all_rows_layer + per_layer_attention) + fc + lm_head
     return {

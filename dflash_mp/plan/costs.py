@@ -133,8 +133,8 @@ def drafter_trainable_params(s: ModelShape, w: Workload) -> int:
 def drafter_flops_per_sample(s: ModelShape, w: Workload) -> float:
     """A DFlash drafter step's FLOPs per sample, counted as the benchmark counts them
     (bench/benchlib/flops.py): forward + weight gradients + the input gradients that are needed
-    (none into the frozen features and embeddings; the frozen LM head's only), the first layer's
-    q/k/v over the distinct block rows, the last layer's o_proj and MLP without each block's index 0."""
+    (none into the frozen features; the frozen LM head's only), the first layer's q/k/v over the
+    distinct block rows, the last layer's o_proj and MLP without each block's index 0."""
     query = w.num_anchors * w.block_size
     first_rows, last_rows = w.num_anchors + 1, w.num_anchors * (w.block_size - 1)
     q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
@@ -146,7 +146,7 @@ def drafter_flops_per_sample(s: ModelShape, w: Workload) -> float:
     attention = w.draft_layers * 4 * q_width * query * (MEAN_ANCHOR_POSITION * w.seq_len + w.block_size)
     fc = 2 * w.seq_len * w.draft_layers * s.hidden * s.hidden
     head = 2 * s.hidden * s.vocab * w.num_anchors * (w.block_size - 1)
-    return float(3 * linear - first_qkv + 3 * attention + 2 * fc + 2 * head)
+    return float(3 * linear + 3 * attention + 2 * fc + 2 * head)
 
 
 def target_weight_bytes(s: ModelShape, w: Workload, tensor_parallel: int = 1) -> float:
