@@ -122,6 +122,7 @@ class PowerMeter:
                 "p10": clocks[int(0.1 * (n - 1))],
                 "p90": clocks[int(0.9 * (n - 1))],
             }
+            # NVML's power reading averages up to a second back: it lags; mean_power_w is the measure.
             out["sampled_power_w"] = sum(s[1] for s in self.samples) / n
             out["power_capped_share"] = sum(bool(s[2] & SW_POWER_CAP) for s in self.samples) / n
             out["thermal_or_hw_slowdown_share"] = (
