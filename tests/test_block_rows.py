@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,6 +55,21 @@ def _inputs(batch: int = 2, context_len: int = 12, blocks: int = 3):
     mask = dense_block_mask(anchors, context_len, BLOCK)
     args = (context_positions(batch, context_len), block_positions, mask)
     return features, BlockRows(first, mask_row), args
+
+
+def _random_batch(
+    generator, max_id: int, lengths: list[int], feature_width: int, epoch: int
+) -> SimpleNamespace:
+    """Two sequences as long as the first length: random ids below `max_id`, all response."""
+    seq_len = lengths[0]
+    return SimpleNamespace(
+        input_ids=torch.randint(0, max_id, (2, seq_len), generator=generator),
+        loss_mask=torch.ones(2, seq_len, dtype=torch.uint8),
+        lengths=torch.tensor(lengths),
+        sample_ids=torch.tensor([3, 4]),
+        epoch=epoch,
+        hidden_states=torch.randn(2, seq_len, feature_width, generator=generator),
+    )
 
 
 def test_compact_rows_expand_to_the_full_layout_and_the_scored_rows_leave_index_0_out() -> None:
@@ -107,12 +124,7 @@ def test_drafter_loss_spares_the_repeated_rows_with_the_same_loss_and_gradients(
         torch.randn(VOCAB, HIDDEN, generator=generator),
         torch.randn(VOCAB, HIDDEN, generator=generator),
     )
-    seq_len = 40
-    batch = type("Batch", (), {})()
-    batch.input_ids = torch.randint(0, VOCAB - 1, (2, seq_len), generator=generator)
-    batch.loss_mask = torch.ones(2, seq_len, dtype=torch.uint8)
-    batch.lengths, batch.sample_ids, batch.epoch = torch.tensor([40, 33]), torch.tensor([3, 4]), 1
-    batch.hidden_states = torch.randn(2, seq_len, 2 * HIDDEN, generator=generator)
+    batch = _random_batch(generator, VOCAB - 1, [40, 33], 2 * HIDDEN, epoch=1)
     args = {"seed": 0, "num_anchors": 5, "gamma": 7.0, "attention": "sdpa"}
     calls = []
     forward = DFlashDrafter.forward
@@ -155,13 +167,11 @@ def test_the_compiled_bf16_drafter_spares_rows_on_cuda_with_the_same_loss_and_gr
     )
     config = build_drafter_config(target, 3, [1, 2], 16, 999)
     generator = torch.Generator().manual_seed(3)
-    seq_len = 300
-    batch = type("Batch", (), {})()
-    batch.input_ids = torch.randint(0, 998, (2, seq_len), generator=generator).cuda()
-    batch.loss_mask = torch.ones(2, seq_len, dtype=torch.uint8, device="cuda")
-    batch.lengths = torch.tensor([300, 250], device="cuda")
-    batch.sample_ids, batch.epoch = torch.tensor([3, 4], device="cuda"), 0
-    batch.hidden_states = torch.randn(2, seq_len, 512, generator=generator).cuda().bfloat16()
+    batch = _random_batch(generator, 998, [300, 250], 512, epoch=0)
+    batch = SimpleNamespace(
+        **{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in vars(batch).items()}
+    )
+    batch.hidden_states = batch.hidden_states.bfloat16()
     embed = (0.05 * torch.randn(1000, 256, generator=generator)).cuda().bfloat16()
     head = (0.05 * torch.randn(1000, 256, generator=generator)).cuda().bfloat16()
     results = {}
