@@ -13,17 +13,37 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def pytest_collection_modifyitems(config, items):
+def _has_gpu() -> bool:
     try:
         import torch
 
-        has_gpu = torch.cuda.is_available()
+        return torch.cuda.is_available()
     except ImportError:
-        has_gpu = False
+        return False
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): one worker per core, at most 4, on CPU. With a GPU the
+    suite runs in one process: GPU tests share one device and some count its synchronisations."""
+    if _has_gpu():
+        return 0
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+def pytest_collection_modifyitems(config, items):
+    has_gpu = _has_gpu()
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
+    if not hasattr(config, "workerinput"):  # not an xdist worker
+        return  # one process: the files' own order (GPU tests share compile caches across files)
+    # Files with the most end-to-end jobs first: xdist hands out whole files (--dist loadfile,
+    # so a module's shared jobs run once), and the long ones must not be left for the end.
+    slow_per_file: dict[str, int] = {}
+    for item in items:
+        slow_per_file[str(item.path)] = slow_per_file.get(str(item.path), 0) + ("slow" in item.keywords)
+    items.sort(key=lambda item: -slow_per_file[str(item.path)])
 
 
 @pytest.fixture(scope="session", autouse=True)

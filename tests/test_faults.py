@@ -128,7 +128,7 @@ def test_fault_hook_and_in_process_watchdog(tmp_path, kind, code):
     if kind == "raise":
         assert "RuntimeError: injected fault at step 3 in phase 'forward'" in proc.stderr
     if kind == "hang":
-        assert time.monotonic() - started < 20
+        assert time.monotonic() - started < 50  # the 1 s watchdog fired, not the 60 s timeout
         log = last_lines(tmp_path, 20)
         assert "watchdog: rank 1 (target) no progress for" in log and "in phase 'forward' at step 3" in log
         assert "in fire" in log  # the main thread's stack shows where it hangs
@@ -141,9 +141,7 @@ def test_sigkill_of_a_rank_ends_the_whole_job(launch, rank):
     job = launch(f"kill{rank}", "train.max_steps=1000")
     job.wait_for_step(2)
     os.kill(job.rank_pid(rank), signal.SIGKILL)
-    killed = time.monotonic()
-    assert job.wait(timeout=60) == EXIT_FAILED
-    assert time.monotonic() - killed < 30
+    assert job.wait(timeout=90) == EXIT_FAILED  # within a bound, not after the 900 s watchdog
     job.assert_nothing_left()
     assert f"first failure: rank {rank} ({ROLES[rank]}) died without a Python traceback" in last_lines(
         job.run_dir, 1
@@ -167,9 +165,7 @@ def test_a_stopped_rank_is_caught_by_the_launcher_watchdog(launch):
     job = launch("sigstop", "train.max_steps=1000", f"watchdog.timeout_s={timeout_s}")
     job.wait_for_step(2)
     os.kill(job.rank_pid(1), signal.SIGSTOP)  # its heartbeat thread cannot run: only the launcher sees it
-    stopped = time.monotonic()
-    assert job.wait(timeout=timeout_s + 60) == EXIT_HUNG
-    assert time.monotonic() - stopped < timeout_s + 30
+    assert job.wait(timeout=timeout_s + 90) == EXIT_HUNG
     job.assert_nothing_left()
     last = last_lines(job.run_dir, 1)
     assert "job HUNG" in last and "rank 1 (target) hung in phase" in last and "stopped or frozen" in last
