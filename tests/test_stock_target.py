@@ -144,7 +144,7 @@ def test_a_stock_target_with_sharegpt_thinking_data_gives_a_drafter_dflash_decod
         "topology=1t1d",
         "train.max_steps=100",
         "train.checkpoint_every=50",
-        "train.micro_batch_size=4",
+        "train.micro_batch_size=2",
         "train.gamma=null",
         "optim.lr=2e-2",
         f"data.train_files=[{train}]",
