@@ -226,3 +226,33 @@ def test_a_rank_killed_while_the_first_drafter_evaluates_is_a_failure_not_a_pree
     assert not (job.run_dir / "PREEMPTED").exists()
     # The communication timeout follows the watchdog (900 s by default), so the watchdog fires first.
     assert "process groups time out after 1020s" in (job.run_dir / "logs" / "job.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "stall_step, stall_phase",
+    [(10, "optimizer"), (11, "compute")],
+    ids=["drafter-before-its-last-step", "drafter-in-its-last-step"],
+)
+def test_a_target_killed_after_it_finished_sending_is_named_as_the_failure(launch, stall_step, stall_phase):
+    """The target has sent everything (heartbeat "done") while the drafter, stalled, still trains;
+    a SIGKILL of the target then is its failure, never a preemption (the drafter checkpoints on
+    torchrun's teardown SIGTERM before its last step) or a success (in its last step)."""
+    job = launch(
+        f"kill-done-{stall_step}",
+        "train.max_steps=12",
+        "topology.targets=1",
+        "topology.drafters=1",
+        fault=f"rank=1,step={stall_step},phase={stall_phase},kind=stall,seconds=300",
+    )
+    done = lambda: read_heartbeats(job.run_dir).get(0, {}).get("state") == "done"  # noqa: E731
+    wait_until(lambda: done() or job.proc.poll() is not None, 90, "the target to finish sending")
+    assert read_heartbeats(job.run_dir)[1]["state"] == "running"
+    os.kill(job.rank_pid(0), signal.SIGKILL)
+    assert job.wait(timeout=120) == EXIT_FAILED, last_lines(job.run_dir, 10)
+    job.assert_nothing_left()
+    last = last_lines(job.run_dir, 1)
+    assert "job FAILED: exit code 1" in last, last
+    assert "first failure: rank 0 (target) died without a Python traceback (killed by SIGKILL)" in last
+    assert "after it had ended its work (done)" in last
+    assert not (job.run_dir / "PREEMPTED").exists()

@@ -390,6 +390,7 @@ signal.signal(signal.SIGUSR1, lambda sig, frame: got.append(sig))
 def beat(rank, role, state, at):
     fields = dict(rank=rank, role=role, host="node", pid=1, state=state, phase="receive", step=4)
     fields |= dict(progress_at=at, written_at=at, timeout_s=900, stop_requested=None, error=None)
+    fields |= dict(blame=None, exited=state != "running")  # a killed rank never marks its exit
     (run_dir / "heartbeats" / f"rank{rank}.json").write_text(json.dumps(fields))
 
 
