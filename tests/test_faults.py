@@ -256,3 +256,77 @@ def test_a_target_killed_after_it_finished_sending_is_named_as_the_failure(launc
     assert "first failure: rank 0 (target) died without a Python traceback (killed by SIGKILL)" in last
     assert "after it had ended its work (done)" in last
     assert not (job.run_dir / "PREEMPTED").exists()
+
+
+WAITING_RANK = textwrap.dedent("""
+    import json, sys, threading, time
+    from pathlib import Path
+    from dflash_mp import watchdog
+    watchdog.PEER_GRACE_S = 2.0  # the same rules, sooner
+    run_dir, me, my_phase, peer = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+    (run_dir / "heartbeats").mkdir(parents=True)
+    frozen = peer.pop("frozen")
+    beat = dict(host="h", pid=1, state="running", progress_at=time.time(), timeout_s=2.0)
+    beat |= dict(stop_requested=None, error=None, blame=None, exited=False) | peer
+
+    def peer_heartbeat():  # a live peer's watchdog thread goes on writing; a frozen one's does not
+        while True:
+            (run_dir / "heartbeats" / f"rank{peer['rank']}.json").write_text(json.dumps(beat | dict(written_at=time.time())))
+            if frozen:
+                return
+            time.sleep(0.5)
+
+    threading.Thread(target=peer_heartbeat, daemon=True).start()
+    watchdog.start(run_dir, rank=me["rank"], role=me["role"], timeout_s=2.0)
+    watchdog.beat(my_phase, me["step"])
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize(
+    "me, my_phase, peer",
+    [
+        # A SIGSTOPped target: the drafter waiting to receive from it must not report itself.
+        (
+            dict(rank=1, role="drafter", step=3),
+            "receive",
+            dict(rank=0, role="target", phase="forward", step=15, frozen=True),
+        ),
+        # A slow evaluation on the first drafter: the second one waits for it in the all-reduce.
+        (
+            dict(rank=2, role="drafter", step=5),
+            "compute",
+            dict(rank=1, role="drafter", phase="eval", step=5, frozen=False),
+        ),
+    ],
+    ids=["frozen-target", "drafter-evaluating"],
+)
+def test_a_rank_waiting_on_a_stuck_peer_names_that_peer(tmp_path, me, my_phase, peer):
+    from dflash_mp.launch.outcome import first_failure
+
+    proc = subprocess.run(
+        [sys.executable, "-c", WAITING_RANK, str(tmp_path), json.dumps(me), my_phase, json.dumps(peer)],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == EXIT_HUNG, proc.stderr
+    log = last_lines(tmp_path, 10)
+    waiter, stuck = f"rank {me['rank']} ({me['role']})", f"rank {peer['rank']} ({peer['role']})"
+    assert (
+        f"watchdog: {waiter} waited" in log
+        and f"in phase {my_phase!r} at step {me['step']} for {stuck}" in log
+    )
+    assert f"in phase {peer['phase']!r} at step {peer['step']}" in log, log
+    beats = read_heartbeats(tmp_path)
+    assert beats[me["rank"]]["state"] == "hung" and beats[me["rank"]]["blame"]["rank"] == peer["rank"]
+    outcome = first_failure(beats, vanished={}, errors={}, targets=1)
+    assert outcome.exit_code == EXIT_HUNG
+    assert outcome.summary.startswith(
+        f"{stuck} hung: no progress in phase {peer['phase']!r} at step {peer['step']}"
+    )
+    assert f"{waiter} waited for it in phase {my_phase!r}" in outcome.summary
+    why = "stopped or frozen" if peer["frozen"] else "it has made no progress for"
+    assert why in outcome.summary
