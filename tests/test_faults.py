@@ -330,3 +330,45 @@ def test_a_rank_waiting_on_a_stuck_peer_names_that_peer(tmp_path, me, my_phase, 
     assert f"{waiter} waited for it in phase {my_phase!r}" in outcome.summary
     why = "stopped or frozen" if peer["frozen"] else "it has made no progress for"
     assert why in outcome.summary
+
+
+@pytest.mark.slow
+def test_under_plain_torchrun_the_drafter_names_the_stopped_target(tmp_path):
+    """No launcher watches: the drafter's own watchdog, waiting to receive, names the frozen target."""
+    run = tmp_path / "plain-sigstop"
+    env = job_env() | {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
+    job = ["topology.targets=1", "topology.drafters=1", "train.max_steps=100000", "watchdog.timeout_s=5"]
+    with open(tmp_path / "torchrun.out", "w") as output:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+            + [
+                "--max-restarts=0",
+                "--monitor-interval=0.2",
+                "-m",
+                "dflash_mp.train",
+                f"run_dir={run}",
+                *job,
+                *FAST,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            metrics = run / "metrics.jsonl"
+            steps = lambda: len(metrics.read_text().splitlines()) if metrics.exists() else 0  # noqa: E731
+            wait_until(lambda: steps() >= 2 or proc.poll() is not None, 120, "step 2")
+            target = read_heartbeats(run)[0]
+            os.kill(target["pid"], signal.SIGSTOP)
+            assert proc.wait(timeout=120) != 0
+        finally:
+            for pid in leftovers(run, proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            if proc.poll() is None:
+                proc.wait()
+    log = (run / "logs" / "job.log").read_text()
+    assert "watchdog: rank 1 (drafter) waited" in log and "for rank 0 (target), in phase" in log, log[-3000:]
+    assert "the process is stopped or frozen" in log
+    assert read_heartbeats(run)[1]["blame"]["rank"] == 0
