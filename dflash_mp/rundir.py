@@ -66,7 +66,7 @@ def lock_run_dir(run_dir: Path) -> RunDirLock:
     except BlockingIOError:
         os.close(fd)
         raise RunDirBusy(
-            f"{run_dir} is in use by another job: {_holder(path)} holds {path}. Wait "
+            f"{run_dir} is in use by another job: {_holder(path)}. Wait "
             f"for it to end, stop it (python -m dflash_mp.launch stop {run_dir}), or "
             "choose another run_dir"
         ) from None
@@ -83,11 +83,17 @@ def adopt_lock(run_dir: Path, fd: int) -> RunDirLock:
 
 
 def _holder(path: Path) -> str:
+    from dflash_mp.launch.processes import alive, holders_of
+
     try:
         holder = json.loads(path.read_text())
-        return f"pid {holder['pid']} on host {holder['host']}"
+        pid, host = holder["pid"], holder["host"]
     except (OSError, ValueError, KeyError):  # caught between the lock and the write
-        return "a process (pid and host not written yet)"
+        return f"a process (pid and host not written yet) holds {path}"
+    if host != socket.gethostname() or alive(pid):
+        return f"pid {pid} on host {host} holds {path}"
+    # The process that took the lock is gone; what it started still shares the lock.
+    return f"pid {pid} on host {host} took {path} and has exited, but pid(s) {holders_of(path)} still hold it"
 
 
 # ------------------------------------------------------------------------------ fresh starts

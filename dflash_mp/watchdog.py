@@ -5,12 +5,18 @@
   RUN_DIR/heartbeats/rank{r}.json every second and ends the process with EXIT_HUNG when the
   rank has made no progress for `watchdog.timeout_s`. The launcher reads the same files, so
   a rank whose threads cannot run at all (SIGSTOP, a C call holding the GIL) is caught too.
+  It goes on writing after the rank's final state, until the process exits through Python
+  (`exited`): a rank that finished and was then killed by a signal is told from one that ended.
+- **Blame.** A rank that may be waiting on a peer (receive, send, a collective) looks at the
+  peers' heartbeats before reporting itself: a peer that is frozen, or stuck in its own work
+  (forward, eval, checkpoint ...), is the one reported, with its phase and step.
 - **Stop requests.** SIGTERM, SIGUSR1 and SIGUSR2 (what torchrun forwards and SLURM or submitit
   send before a preemption or the time limit) only set a flag. Drafter ranks agree on it at the next
   optimizer-step boundary, the first drafter checkpoints and writes RUN_DIR/PREEMPTED, and
   they exit with EXIT_PREEMPTED; target ranks keep serving micro-batches until then.
-- **Fault injection (a test hook).** DFLASH_MP_FAULT="rank=R,step=S,kind=raise|exit|hang"
-  (optionally ",phase=P") makes rank R raise, exit abruptly or hang at its first heartbeat of
+- **Fault injection (a test hook).** DFLASH_MP_FAULT="rank=R,step=S,kind=raise|exit|hang|stall"
+  (optionally ",phase=P", and ",seconds=N" for stall) makes rank R raise, exit abruptly, hang, or
+  stall (sleep N seconds, 60 by default, or until a stop request) at its first heartbeat of
   optimizer step >= S. Read once, in `start`.
 
 Free of torch imports: the launcher reads heartbeats without loading torch.
@@ -18,6 +24,7 @@ Free of torch imports: the launcher reads heartbeats without loading torch.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import json
@@ -48,6 +55,8 @@ WRITE_INTERVAL_S = 1.0
 # than the peer itself, so the job log names the rank that is stuck, not the ones waiting for it.
 WAITING_PHASES = frozenset({"send", "receive"})
 PEER_GRACE_S = 10.0
+# Phases in which a rank waits on nobody: a rank stuck there is the one to blame.
+OWN_WORK_PHASES = frozenset({"tokenize", "forward", "eval", "checkpoint", "export"})
 PR_SET_PDEATHSIG = 1
 
 
@@ -70,15 +79,18 @@ class Preempted(Exception):
 class Fault:
     """The parsed DFLASH_MP_FAULT of this rank."""
 
-    KINDS = ("raise", "exit", "hang")
+    KINDS = ("raise", "exit", "hang", "stall")
 
     def __init__(self, spec: str) -> None:
         try:
             fields = dict(item.split("=", 1) for item in spec.split(",") if item)
             self.rank, self.step, self.kind = int(fields["rank"]), int(fields["step"]), fields["kind"]
         except (KeyError, ValueError) as e:
-            raise ValueError(f"{FAULT_ENV}={spec!r}: expected rank=R,step=S,kind=raise|exit|hang") from e
+            raise ValueError(
+                f"{FAULT_ENV}={spec!r}: expected rank=R,step=S,kind=raise|exit|hang|stall"
+            ) from e
         self.spec, self.phase = spec, fields.get("phase")
+        self.seconds = float(fields.get("seconds", 60))
         if self.kind not in self.KINDS:
             raise ValueError(f"{FAULT_ENV}={spec!r}: kind must be one of {', '.join(self.KINDS)}")
 
@@ -93,6 +105,11 @@ class Fault:
         if self.kind == "hang":
             while True:  # no more beats: the watchdog thread must notice
                 time.sleep(3600)
+        if self.kind == "stall":  # a slow phase that a stop request still ends
+            deadline = time.monotonic() + self.seconds
+            while time.monotonic() < deadline and not stop_requested():
+                time.sleep(0.1)
+            return
         raise RuntimeError(f"injected fault {where}")
 
 
@@ -104,6 +121,8 @@ class Heartbeat:
         self.path = heartbeat_dir(run_dir) / f"rank{rank}.json"
         self.state, self.phase, self.step = "running", "startup", 0
         self.error: str | None = None
+        self.blame: dict[str, Any] | None = None  # the peer a waiting rank reported as stuck
+        self.exited = False  # set when the process exits through Python
         self.progress_at, self._progress_mono = time.time(), time.monotonic()
         self._main_thread = threading.main_thread().ident
         self._stop = threading.Event()
@@ -128,6 +147,8 @@ class Heartbeat:
             "timeout_s": self.timeout_s,
             "stop_requested": _stop_signal,
             "error": self.error,
+            "blame": self.blame,
+            "exited": self.exited,
         }
 
     def write(self) -> None:
@@ -147,9 +168,16 @@ class Heartbeat:
         self._thread.start()
 
     def finish(self, state: str, error: str | None = None) -> None:
+        """The final state; the thread goes on writing (the rank lives) but no longer watches."""
+        with self._lock:
+            self.state, self.error = state, error
+            self._try_write()
+
+    def mark_exited(self) -> None:
+        """At interpreter exit: the process ends by itself, not by a signal."""
         with self._lock:
             self._stop.set()
-            self.state, self.error = state, error
+            self.exited = True
             self._try_write()
 
     def _loop(self) -> None:
@@ -158,20 +186,62 @@ class Heartbeat:
                 if self._stop.is_set():
                     return
                 self._try_write()
+                if self.state != "running" or self.timeout_s <= 0:
+                    continue
                 idle = time.monotonic() - self._progress_mono
-                grace = PEER_GRACE_S if self.phase in WAITING_PHASES else 0.0
-                if self.timeout_s > 0 and idle > self.timeout_s + grace:
-                    self._report_hang(idle)
+                limit = self.timeout_s + (PEER_GRACE_S if self.phase in WAITING_PHASES else 0.0)
+                if idle <= limit:
+                    continue
+                culprit = self._stuck_peer()
+                # A stuck peer whose watchdog runs reports itself, with its stack: give it the grace.
+                if culprit is None or culprit["frozen"] or idle > limit + PEER_GRACE_S:
+                    self._report_hang(idle, culprit)
 
-    def _report_hang(self, idle: float) -> None:
+    def _stuck_peer(self) -> dict[str, Any] | None:
+        """The peer this rank is presumably waiting for: one whose heartbeat stopped (frozen), else,
+        when this rank may be waiting, one stuck about as long in a phase that waits on nobody."""
+        now, idle = time.time(), time.monotonic() - self._progress_mono
+        peers = [
+            beat
+            for rank, beat in read_heartbeats(self.run_dir).items()
+            if rank != self.rank and beat["state"] == "running"
+        ]
+        frozen = [beat for beat in peers if now - beat["written_at"] > self.timeout_s]
+        stuck = [
+            beat
+            for beat in peers
+            if beat["phase"] in OWN_WORK_PHASES and now - beat["progress_at"] > idle - PEER_GRACE_S
+        ]
+        if frozen:
+            found = min(frozen, key=lambda beat: beat["written_at"])
+            why = f"its heartbeat stopped {now - found['written_at']:.0f}s ago: the process is stopped or frozen"
+        elif stuck and self.phase not in OWN_WORK_PHASES:
+            found = min(stuck, key=lambda beat: beat["progress_at"])
+            why = f"it has made no progress for {now - found['progress_at']:.0f}s"
+        else:
+            return None
+        return {key: found[key] for key in ("rank", "role", "phase", "step")} | {
+            "why": why,
+            "frozen": bool(frozen),
+        }
+
+    def _report_hang(self, idle: float, culprit: dict[str, Any] | None) -> None:
         try:
             frame = sys._current_frames().get(self._main_thread)
             stack = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "(unknown)\n"
             self.state = "hung"
-            self.error = (
-                f"no progress for {idle:.0f}s in phase {self.phase!r} at step {self.step} "
-                f"(watchdog.timeout_s={self.timeout_s:g})"
-            )
+            if culprit is None:
+                self.error = (
+                    f"no progress for {idle:.0f}s in phase {self.phase!r} at step {self.step} "
+                    f"(watchdog.timeout_s={self.timeout_s:g})"
+                )
+            else:
+                self.blame = culprit
+                self.error = (
+                    f"waited {idle:.0f}s in phase {self.phase!r} at step {self.step} for rank "
+                    f"{culprit['rank']} ({culprit['role']}), in phase {culprit['phase']!r} at step "
+                    f"{culprit['step']}: {culprit['why']} (watchdog.timeout_s={self.timeout_s:g})"
+                )
             message = (
                 f"watchdog: rank {self.rank} ({self.role}) {self.error}; ending the job. If this phase "
                 "is legitimately slow (loading a large target, the first torch.compile), raise "
@@ -199,6 +269,7 @@ def start(run_dir: str | Path, rank: int, role: str, timeout_s: float) -> Heartb
         signal.signal(sig, _request_stop)
     _current = Heartbeat(Path(run_dir), rank, role, timeout_s)
     _current.start()
+    atexit.register(_current.mark_exited)
     return _current
 
 

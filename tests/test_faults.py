@@ -222,3 +222,149 @@ def test_a_rank_killed_while_the_first_drafter_evaluates_is_a_failure_not_a_pree
     assert not (job.run_dir / "PREEMPTED").exists()
     # The communication timeout follows the watchdog (900 s by default), so the watchdog fires first.
     assert "process groups time out after 1020s" in (job.run_dir / "logs" / "job.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "stall_step, stall_phase",
+    [(10, "optimizer"), (11, "compute")],
+    ids=["drafter-before-its-last-step", "drafter-in-its-last-step"],
+)
+def test_a_target_killed_after_it_finished_sending_is_named_as_the_failure(launch, stall_step, stall_phase):
+    """The target has sent everything (heartbeat "done") while the drafter, stalled, still trains;
+    a SIGKILL of the target then is its failure, never a preemption (the drafter checkpoints on
+    torchrun's teardown SIGTERM before its last step) or a success (in its last step)."""
+    job = launch(
+        f"kill-done-{stall_step}",
+        "train.max_steps=12",
+        "topology.targets=1",
+        "topology.drafters=1",
+        fault=f"rank=1,step={stall_step},phase={stall_phase},kind=stall,seconds=300",
+    )
+    done = lambda: read_heartbeats(job.run_dir).get(0, {}).get("state") == "done"  # noqa: E731
+    wait_until(lambda: done() or job.proc.poll() is not None, 90, "the target to finish sending")
+    assert read_heartbeats(job.run_dir)[1]["state"] == "running"
+    os.kill(job.rank_pid(0), signal.SIGKILL)
+    assert job.wait(timeout=120) == EXIT_FAILED, last_lines(job.run_dir, 10)
+    job.assert_nothing_left()
+    last = last_lines(job.run_dir, 1)
+    assert "job FAILED: exit code 1" in last, last
+    assert "first failure: rank 0 (target) died without a Python traceback (killed by SIGKILL)" in last
+    assert "after it had ended its work (done)" in last
+    assert not (job.run_dir / "PREEMPTED").exists()
+
+
+WAITING_RANK = textwrap.dedent("""
+    import json, sys, threading, time
+    from pathlib import Path
+    from dflash_mp import watchdog
+    watchdog.PEER_GRACE_S = 2.0  # the same rules, sooner
+    run_dir, me, my_phase, peer = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+    (run_dir / "heartbeats").mkdir(parents=True)
+    frozen = peer.pop("frozen")
+    beat = dict(host="h", pid=1, state="running", progress_at=time.time(), timeout_s=2.0)
+    beat |= dict(stop_requested=None, error=None, blame=None, exited=False) | peer
+
+    def peer_heartbeat():  # a live peer's watchdog thread goes on writing; a frozen one's does not
+        while True:
+            (run_dir / "heartbeats" / f"rank{peer['rank']}.json").write_text(json.dumps(beat | dict(written_at=time.time())))
+            if frozen:
+                return
+            time.sleep(0.5)
+
+    threading.Thread(target=peer_heartbeat, daemon=True).start()
+    watchdog.start(run_dir, rank=me["rank"], role=me["role"], timeout_s=2.0)
+    watchdog.beat(my_phase, me["step"])
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize(
+    "me, my_phase, peer",
+    [
+        # A SIGSTOPped target: the drafter waiting to receive from it must not report itself.
+        (
+            dict(rank=1, role="drafter", step=3),
+            "receive",
+            dict(rank=0, role="target", phase="forward", step=15, frozen=True),
+        ),
+        # A slow evaluation on the first drafter: the second one waits for it in the all-reduce.
+        (
+            dict(rank=2, role="drafter", step=5),
+            "compute",
+            dict(rank=1, role="drafter", phase="eval", step=5, frozen=False),
+        ),
+    ],
+    ids=["frozen-target", "drafter-evaluating"],
+)
+def test_a_rank_waiting_on_a_stuck_peer_names_that_peer(tmp_path, me, my_phase, peer):
+    from dflash_mp.launch.outcome import first_failure
+
+    proc = subprocess.run(
+        [sys.executable, "-c", WAITING_RANK, str(tmp_path), json.dumps(me), my_phase, json.dumps(peer)],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == EXIT_HUNG, proc.stderr
+    log = last_lines(tmp_path, 10)
+    waiter, stuck = f"rank {me['rank']} ({me['role']})", f"rank {peer['rank']} ({peer['role']})"
+    assert (
+        f"watchdog: {waiter} waited" in log
+        and f"in phase {my_phase!r} at step {me['step']} for {stuck}" in log
+    )
+    assert f"in phase {peer['phase']!r} at step {peer['step']}" in log, log
+    beats = read_heartbeats(tmp_path)
+    assert beats[me["rank"]]["state"] == "hung" and beats[me["rank"]]["blame"]["rank"] == peer["rank"]
+    outcome = first_failure(beats, vanished={}, errors={}, targets=1)
+    assert outcome.exit_code == EXIT_HUNG
+    assert outcome.summary.startswith(
+        f"{stuck} hung: no progress in phase {peer['phase']!r} at step {peer['step']}"
+    )
+    assert f"{waiter} waited for it in phase {my_phase!r}" in outcome.summary
+    why = "stopped or frozen" if peer["frozen"] else "it has made no progress for"
+    assert why in outcome.summary
+
+
+@pytest.mark.slow
+def test_under_plain_torchrun_the_drafter_names_the_stopped_target(tmp_path):
+    """No launcher watches: the drafter's own watchdog, waiting to receive, names the frozen target."""
+    run = tmp_path / "plain-sigstop"
+    env = job_env() | {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
+    job = ["topology.targets=1", "topology.drafters=1", "train.max_steps=100000", "watchdog.timeout_s=5"]
+    with open(tmp_path / "torchrun.out", "w") as output:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+            + [
+                "--max-restarts=0",
+                "--monitor-interval=0.2",
+                "-m",
+                "dflash_mp.train",
+                f"run_dir={run}",
+                *job,
+                *FAST,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            metrics = run / "metrics.jsonl"
+            steps = lambda: len(metrics.read_text().splitlines()) if metrics.exists() else 0  # noqa: E731
+            wait_until(lambda: steps() >= 2 or proc.poll() is not None, 120, "step 2")
+            target = read_heartbeats(run)[0]
+            os.kill(target["pid"], signal.SIGSTOP)
+            assert proc.wait(timeout=120) != 0
+        finally:
+            for pid in leftovers(run, proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            if proc.poll() is None:
+                proc.wait()
+    log = (run / "logs" / "job.log").read_text()
+    assert "watchdog: rank 1 (drafter) waited" in log and "for rank 0 (target), in phase" in log, log[-3000:]
+    assert "the process is stopped or frozen" in log
+    assert read_heartbeats(run)[1]["blame"]["rank"] == 0

@@ -3,6 +3,7 @@ stop, the multi-node path on loopback, and Hydra sweeps of whole jobs."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -387,6 +388,7 @@ signal.signal(signal.SIGUSR1, lambda sig, frame: got.append(sig))
 def beat(rank, role, state, at):
     fields = dict(rank=rank, role=role, host="node", pid=1, state=state, phase="receive", step=4)
     fields |= dict(progress_at=at, written_at=at, timeout_s=900, stop_requested=None, error=None)
+    fields |= dict(blame=None, exited=state != "running")  # a killed rank never marks its exit
     (run_dir / "heartbeats" / f"rank{rank}.json").write_text(json.dumps(fields))
 
 
@@ -468,3 +470,87 @@ def test_each_job_keeps_its_compile_caches_under_the_run_dir_unless_set(tmp_path
     assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "/shared/fa4")
     assert job_environment(tmp_path, "job")["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == "/shared/fa4"
+
+
+ORPHAN = """
+import json, os, socket, sys, time
+from pathlib import Path
+from dflash_mp.rundir import lock_run_dir
+lock = lock_run_dir(Path(sys.argv[1]))
+os.ftruncate(lock.fd, 0)
+os.pwrite(lock.fd, json.dumps({"pid": int(sys.argv[2]), "host": socket.gethostname()}).encode(), 0)
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_stop_and_status_work_from_the_run_dir_when_the_supervisor_is_gone(tmp_path):
+    """A process of a job outlived its killed supervisor and holds the run directory: the refusal
+    says the recorded pid has exited and names who holds the lock; status says so; stop ends it."""
+    from dflash_mp.rundir import RunDirBusy, lock_run_dir
+
+    run = tmp_path / "orphaned"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN, str(run), str(dead.pid)],
+        cwd=REPO,
+        env=job_env() | {processes.JOB_ID_ENV: "orphaned-job"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert left.stdout.readline().strip() == "locked"
+        outcome.write_job_state(run, state="running", pid=dead.pid, pgid=dead.pid, job_id="orphaned-job")
+        with pytest.raises(RunDirBusy) as busy:
+            lock_run_dir(run)
+        assert f"pid {dead.pid} on host {socket.gethostname()} took" in str(busy.value)
+        assert f"has exited, but pid(s) [{left.pid}] still hold it" in str(busy.value)
+        assert f"python -m dflash_mp.launch stop {run}" in str(busy.value)
+        status = launch_cli("status", str(run))
+        assert f"running without its supervisor (pid {dead.pid} is gone), pids [{left.pid}]" in status.stdout
+        stop = launch_cli("stop", str(run), "--timeout", "30")
+        assert stop.returncode == 0 and "Traceback" not in stop.stderr, stop.stdout + stop.stderr
+        assert left.wait(timeout=30) == -signal.SIGTERM
+        assert "stopped: exit code 143" in stop.stdout, stop.stdout
+        lock_run_dir(run).release()  # free again
+    finally:
+        left.kill()
+        left.wait()
+
+
+@pytest.mark.slow
+def test_killing_the_launcher_ends_the_whole_job(tmp_path, adopt_orphans):
+    """kill -9 of `python -m dflash_mp.launch run`: its torchrun agent gets the stop it would get
+    from `stop` (the drafter checkpoints), every rank ends, the run directory is free again, and
+    status and stop tell what happened."""
+    from dflash_mp.rundir import lock_run_dir
+    from tests.test_faults import LaunchedJob
+
+    job = LaunchedJob(
+        tmp_path / "launcher-killed", "train.max_steps=100000", "topology.targets=1", "topology.drafters=1"
+    )
+    try:
+        job.wait_for_step(2)
+        job_id = outcome.read_job_state(job.run_dir)["job_id"]
+        os.kill(job.proc.pid, signal.SIGKILL)
+        job.proc.wait()
+
+        def ended() -> bool:
+            with contextlib.suppress(ChildProcessError):  # reap the adopted agent and ranks
+                while os.waitpid(-1, os.WNOHANG)[0]:
+                    pass
+            return not processes.job_processes(job_id) and not leftovers(job.run_dir, job.proc.pid)
+
+        wait_until(ended, 120, "the job's processes to end")
+        lock_run_dir(job.run_dir).release()
+        status = launch_cli("status", str(job.run_dir))
+        assert f"state:      lost: its supervisor (pid {job.proc.pid}) is gone" in status.stdout, (
+            status.stdout
+        )
+        stop = launch_cli("stop", str(job.run_dir))
+        assert stop.returncode == 0 and "Traceback" not in stop.stderr, stop.stdout + stop.stderr
+        assert "preempted: exit code 75" in stop.stdout and (job.run_dir / "PREEMPTED").exists(), stop.stdout
+        assert "state:      preempted" in launch_cli("status", str(job.run_dir)).stdout
+    finally:
+        job.cleanup()

@@ -14,8 +14,9 @@ code, the first failing rank with its role, and its traceback (from the error fi
 `@record` wrote for it).
 
 Exit codes of a job (`run`, the supervisor of `start`, `python -m dflash_mp.train`):
-    0  succeeded
-    1  failed: a rank raised or died (job.log names the first one and ends with its traceback)
+    0  succeeded: every rank finished and exited by itself
+    1  failed: a rank raised or died, also one killed by a signal after it had finished its work
+       (job.log names the first one and ends with its traceback)
     2  preflight failed: bad config or environment, the run directory holds an earlier run or is
        in use by another job; no worker was started
     3  hung: a rank made no progress for watchdog.timeout_s (or was stopped/frozen)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ from typing import Any
 
 from dflash_mp.launch.outcome import (
     EXIT_FAILED,
+    EXIT_PREEMPTED,
     EXIT_STOPPED,
     EXIT_SUCCEEDED,
     Outcome,
@@ -19,10 +21,10 @@ from dflash_mp.launch.outcome import (
     write_job_state,
     write_outcome,
 )
-from dflash_mp.launch.processes import alive, cmdline, job_processes, kill
+from dflash_mp.launch.processes import alive, cmdline, holders_of, job_processes, kill
 from dflash_mp.logs import job_log_path
-from dflash_mp.rundir import RunDirLock
-from dflash_mp.watchdog import read_heartbeats
+from dflash_mp.rundir import LOCK_NAME, RunDirLock
+from dflash_mp.watchdog import preempted_marker, read_heartbeats
 
 STOP_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 30.0  # for the detached supervisor to record itself in job.json
@@ -92,13 +94,20 @@ def _last_metrics(run_dir: Path) -> dict[str, Any] | None:
     return None
 
 
-def _owned(state: dict[str, Any]) -> list[int]:
-    """Live processes of the launch recorded in job.json: its supervisor and what the job started."""
-    pids = job_processes(state["job_id"]) if state.get("job_id") else []
+def _supervisor(state: dict[str, Any]) -> int | None:
+    """The pid of the launch's supervisor while it lives (the pid may have been reused since)."""
     pid = state.get("pid")
-    if pid and alive(pid) and b"dflash_mp" in cmdline(pid):  # the pid may have been reused since
-        pids.append(pid)
-    return pids
+    return pid if pid and alive(pid) and b"dflash_mp" in cmdline(pid) else None
+
+
+def _owned(run_dir: Path, state: dict[str, Any]) -> list[int]:
+    """Live processes of the job: its supervisor, what the job started (by the job's id), and
+    whatever still holds the run directory's lock (plain torchrun's rank 0, an orphaned agent)."""
+    pids = set(job_processes(state["job_id"]) if state.get("job_id") else [])
+    pids |= set(holders_of(run_dir / LOCK_NAME))
+    if supervisor := _supervisor(state):
+        pids.add(supervisor)
+    return sorted(pids)
 
 
 def status(run_dir: Path) -> int:
@@ -110,8 +119,14 @@ def status(run_dir: Path) -> int:
     now = time.time()
     beats = read_heartbeats(run_dir)
     label = state.get("state", "unknown (not started by dflash_mp.launch)")
-    if label in ("starting", "running") and not _owned(state):
-        label = "lost: its supervisor is gone without writing an outcome"
+    if label in ("starting", "running") and not _supervisor(state):
+        if left := _owned(run_dir, state):
+            label = (
+                f"running without its supervisor (pid {state.get('pid')} is gone), pids {left}: "
+                f"end them with python -m dflash_mp.launch stop {run_dir}"
+            )
+        else:
+            label = f"lost: its supervisor (pid {state.get('pid')}) is gone without writing an outcome"
     elif label.startswith("unknown") and any(b["state"] == "running" for b in beats.values()):
         label = "running (ranks report heartbeats)"
     print(f"run_dir:    {run_dir}\nstate:      {label}")
@@ -138,39 +153,63 @@ def status(run_dir: Path) -> int:
 
 
 def stop(run_dir: Path, timeout_s: float = STOP_TIMEOUT_S) -> int:
-    """SIGTERM the job (drafters checkpoint at the next step), SIGKILL what is left after `timeout_s`."""
+    """SIGTERM the job (drafters checkpoint at the next step), SIGKILL what is left after `timeout_s`.
+    Works from the run directory alone, whichever of the job's processes is already gone."""
     state = read_job_state(run_dir)
-    owned = _owned(state)
-    if not owned:
-        print(f"{run_dir}: not running ({state.get('state', 'no job.json')})")
-        return 0
-    pid, pgid = state["pid"], state["pgid"]
+    started = time.monotonic()
+    owned = _owned(run_dir, state)
+    supervisor, pgid = _supervisor(state), state.get("pgid")
     # A detached job leads its own process group; a foreground one shares the shell's, which must
     # not be signalled: there the supervisor passes the signal on to torchrun itself.
-    own_group = pid == pgid
-    if own_group:
+    own_group = supervisor is not None and supervisor == pgid
+    if not owned:
+        print(f"{run_dir}: not running ({state.get('state', 'no job.json')})")
+    elif own_group:
         print(f"stopping {run_dir}: SIGTERM to process group {pgid}", flush=True)
-        os.killpg(pgid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+    elif supervisor is not None:
+        print(f"stopping {run_dir}: SIGTERM to the supervisor, pid {supervisor}", flush=True)
+        kill([supervisor], signal.SIGTERM)
     else:
-        print(f"stopping {run_dir}: SIGTERM to the supervisor, pid {pid}", flush=True)
-        os.kill(pid, signal.SIGTERM)
-    started = time.monotonic()
-    while _owned(state) and time.monotonic() - started < timeout_s:
-        time.sleep(0.2)
-    if left := _owned(state):
-        print(f"still running after {timeout_s:g}s: SIGKILL", flush=True)
-        if own_group:
-            os.killpg(pgid, signal.SIGKILL)
-        else:
-            kill(left)
-        while _owned(state) and time.monotonic() - started < timeout_s + 10:
-            time.sleep(0.2)
-    if read_job_state(run_dir).get("state") in ("starting", "running"):  # the supervisor was killed
-        write_outcome(
-            run_dir,
-            Outcome("stopped", EXIT_STOPPED, f"killed by `stop` after {timeout_s:g}s"),
-            time.monotonic() - started,
+        # torchrun's agent turns SIGTERM into the ranks' graceful stop; without it, the ranks.
+        agent = state.get("agent_pid")
+        first = [agent] if agent in owned else owned
+        print(
+            f"stopping {run_dir}: its supervisor (pid {state.get('pid')}) is gone; SIGTERM to {first}",
+            flush=True,
         )
+        kill(first, signal.SIGTERM)
+    while _owned(run_dir, state) and time.monotonic() - started < timeout_s:
+        time.sleep(0.2)
+    if left := _owned(run_dir, state):
+        print(f"still running after {timeout_s:g}s: SIGKILL to {left}", flush=True)
+        if own_group:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        kill(left)
+        while _owned(run_dir, state) and time.monotonic() - started < timeout_s + 10:
+            time.sleep(0.2)
+    if read_job_state(run_dir).get("state") in ("starting", "running"):  # no supervisor wrote the end
+        _record_lost_supervisor(run_dir, state, bool(owned), time.monotonic() - started)
     final = read_job_state(run_dir)
     print(f"{final.get('state')}: exit code {final.get('exit_code')}: {final.get('summary')}")
     return 0
+
+
+def _record_lost_supervisor(run_dir: Path, state: dict[str, Any], stopped: bool, elapsed_s: float) -> None:
+    """The outcome of a job whose supervisor ended without writing it (killed, or killed by `stop`)."""
+    who = f"its supervisor (pid {state.get('pid')}) ended without writing an outcome"
+    marker = preempted_marker(run_dir)
+    if marker.exists():  # the ranks got their stop and the drafters checkpointed
+        step = json.loads(marker.read_text())["step"]
+        outcome = Outcome(
+            "preempted",
+            EXIT_PREEMPTED,
+            f"{who}; stopped with a checkpoint at step {step}; continue with train.resume=true",
+        )
+    elif stopped:
+        outcome = Outcome("stopped", EXIT_STOPPED, f"{who}; `stop` ended what was left before a checkpoint")
+    else:
+        outcome = Outcome("failed", EXIT_FAILED, f"{who}; nothing of the job was left running")
+    write_outcome(run_dir, outcome, elapsed_s)

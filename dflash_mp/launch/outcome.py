@@ -4,7 +4,10 @@ Failures are judged before a stop: when a rank dies, torchrun's teardown SIGTERM
 which take it as a stop request and may checkpoint and write PREEMPTED. So a job counts as
 preempted only when no rank failed before the stop signal came from outside (the user, `stop`,
 SLURM); otherwise the first failing rank is the cause and the PREEMPTED marker is withdrawn, so
-that no requeue script takes the failure for a preemption. Free of torch imports.
+that no requeue script takes the failure for a preemption. A rank that had finished its work and
+then died by a signal (its heartbeat says so: it never exited through Python) failed too: the
+job neither succeeded nor was preempted. A hang reported by a rank waiting on a peer names that
+peer. Free of torch imports.
 """
 
 from __future__ import annotations
@@ -155,6 +158,23 @@ def role_of_rank(rank: int, targets: int | None) -> str:
     return "target" if rank < targets else "drafter"
 
 
+# Final heartbeat states of a rank that ended its work; it then still has to exit by itself.
+ENDED_STATES = ("done", "preempted", "stopped")
+
+
+def _hang(rank: int, beat: dict) -> tuple[int, str, str]:
+    """(rank, role, what) of a hang: the peer a waiting rank blamed, else the rank itself."""
+    blame = beat.get("blame")
+    if not blame:
+        return rank, beat["role"], str(beat["error"])
+    return (
+        blame["rank"],
+        blame["role"],
+        f"no progress in phase {blame['phase']!r} at step {blame['step']}: {blame['why']}; "
+        f"rank {rank} ({beat['role']}) waited for it in phase {beat['phase']!r} at step {beat['step']}",
+    )
+
+
 def first_failure(
     beats: dict[int, dict],
     vanished: dict[int, float] | None,
@@ -175,11 +195,15 @@ def first_failure(
         if beat["state"] == "failed":
             events.append((beat["written_at"], rank, beat["role"], f"raised {beat['error']}", "failed"))
         elif beat["state"] == "hung":
-            events.append((beat["written_at"], rank, beat["role"], str(beat["error"]), "hung"))
+            events.append((beat["written_at"], *_hang(rank, beat), "hung"))
         elif beat["state"] == "running" and (vanished is None or rank in vanished):
             died = beat["written_at"] if vanished is None else vanished[rank]
             what = _death((exit_codes or {}).get(beat["pid"]))
             events.append((died, rank, beat["role"], what, "failed"))
+        elif beat["state"] in ENDED_STATES and not beat.get("exited"):
+            # Its heartbeat went on until it died: written_at dates the death.
+            what = f"{_death((exit_codes or {}).get(beat['pid']))}, after it had ended its work ({beat['state']})"
+            events.append((beat["written_at"], rank, beat["role"], what, "failed"))
     for rank, error in errors.items():
         if rank not in beats:  # failed before its heartbeat started
             role = role_of_rank(rank, targets)
@@ -208,8 +232,9 @@ def judge(
     """The outcome of a job whose torchrun (or srun) exited with `code`: success, then a hang the
     launcher caught, then the first rank failure before any outside stop, then the stop."""
     beats = read_heartbeats(run_dir)
-    finished = len(beats) == nproc and all(b["state"] == "done" for b in beats.values())
-    if code == 0 or finished:  # a signal that reached torchrun after its ranks finished changes nothing
+    finished = len(beats) == nproc and all(b["state"] == "done" and b.get("exited") for b in beats.values())
+    # A signal that reached torchrun after its ranks finished and exited changes nothing.
+    if code == 0 or finished:
         return Outcome("succeeded", EXIT_SUCCEEDED, f"all ranks finished; see {run_dir}")
     if launcher_hang is not None:
         return Outcome("hung", EXIT_HUNG, launcher_hang)

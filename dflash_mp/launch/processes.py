@@ -10,9 +10,11 @@ import contextlib
 import ctypes
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 JOB_ID_ENV = "DFLASH_MP_JOB_ID"
+PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -59,6 +61,23 @@ def job_processes(job_id: str) -> list[int]:
     return found
 
 
+def holders_of(path: Path) -> list[int]:
+    """Live processes with `path` open (those sharing a run directory's lock), found through
+    /proc/PID/fd: the lock file names no process once its taker is gone."""
+    target, found = str(path.resolve()), []
+    for pid in _all_pids():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or not ours
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target and alive(pid):
+                    found.append(pid)
+                    break
+    return found
+
+
 def cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -77,6 +96,23 @@ def become_subreaper() -> None:
     instead of lingering as <defunct> under a PID 1 that never reaps (a bare container)."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: init adopts orphans as usual
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def die_with_parent(sig: signal.Signals) -> Callable[[], None]:
+    """A Popen `preexec_fn`: the child gets `sig` when the process starting it dies (Linux), so a
+    killed launcher takes its torchrun agent along, and the agent its ranks."""
+    parent = os.getpid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded before the fork
+    except (OSError, AttributeError):  # not Linux
+        return lambda: None
+
+    def arm() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl took effect
+            os.kill(os.getpid(), sig)
+
+    return arm
 
 
 def reap_orphans(agent_pid: int | None) -> None:

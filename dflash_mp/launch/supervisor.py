@@ -23,6 +23,7 @@ from dflash_mp.launch.processes import (
     JOB_ID_ENV,
     alive,
     become_subreaper,
+    die_with_parent,
     job_processes,
     kill,
     reap_orphans,
@@ -121,7 +122,8 @@ class JobMonitor:
     def _check_hang(self, beats: dict[int, dict], now: float) -> None:
         if self.hung is not None:
             return
-        for rank, beat in sorted(beats.items()):
+        # The stalest heartbeat first: a frozen rank, not the ranks left waiting for it.
+        for rank, beat in sorted(beats.items(), key=lambda item: (item[1]["written_at"], item[0])):
             timeout = beat["timeout_s"]
             if beat["state"] != "running" or timeout <= 0 or not alive(beat["pid"]):
                 continue
@@ -192,7 +194,10 @@ def supervise(
             stdout=log_fd,
             stderr=subprocess.STDOUT,
             env=job_environment(run_dir, job_id),
-            pass_fds=(lock.fd,),  # the agent shares the lock: it outlives a killed supervisor
+            pass_fds=(lock.fd,),  # the agent shares the lock: it holds it while the ranks end
+            # A killed supervisor (kill -9, OOM) stops the agent like `stop` does: the ranks checkpoint
+            # and end within torchrun's grace, and each rank dies with its agent. Nothing runs on.
+            preexec_fn=die_with_parent(signal.SIGTERM),
         )
     finally:
         os.close(log_fd)
