@@ -267,7 +267,10 @@ WAITING_RANK = textwrap.dedent("""
 
     def peer_heartbeat():  # a live peer's watchdog thread goes on writing; a frozen one's does not
         while True:
-            (run_dir / "heartbeats" / f"rank{peer['rank']}.json").write_text(json.dumps(beat | dict(written_at=time.time())))
+            # Written and renamed, as a real heartbeat is: a half-written file reads as no peer.
+            path = run_dir / "heartbeats" / f"rank{peer['rank']}.json"
+            path.with_suffix(".tmp").write_text(json.dumps(beat | dict(written_at=time.time())))
+            path.with_suffix(".tmp").replace(path)
             if frozen:
                 return
             time.sleep(0.5)
