@@ -135,7 +135,9 @@ def preset_problems(cfg: DictConfig | RootConfig) -> list[str]:
     if cfg.preset != "embedded" or is_embedded_target(str(cfg.model.target_path)):
         return []
     presets = sorted(
-        p.stem for p in (CONF_DIR / "experiment").glob("*.yaml") if p.stem not in ("embedded", "smoke", "custom")
+        p.stem
+        for p in (CONF_DIR / "experiment").glob("*.yaml")
+        if p.stem not in ("embedded", "smoke", "custom")
     )
     return [
         f"model.target_path={str(cfg.model.target_path)!r} under experiment=embedded, whose recipe is "

@@ -68,7 +68,9 @@ def test_a_preset_validates_and_builds_its_drafter(tmp_path, preset):
     drafter = drafter.config
     assert drafter.num_hidden_layers == m.draft_layers and drafter.num_target_layers == num_layers
     assert drafter.dflash_config["target_layer_ids"] == list(m.target_layer_ids)
-    assert drafter.layer_types == (list(m.layer_types) if m.layer_types else ["full_attention"] * m.draft_layers)
+    assert drafter.layer_types == (
+        list(m.layer_types) if m.layer_types else ["full_attention"] * m.draft_layers
+    )
 
 
 def test_custom_needs_a_target_and_data_then_spaces_the_layers_evenly(tmp_path):
