@@ -213,6 +213,9 @@ class RootConfig:
     run_dir: str = ""
     # Free-form experiment name (shows in logs and wandb).
     name: str = "dflash"
+    # The conf/experiment preset that set the recipe (each preset names itself); the embedded one
+    # refuses a real target, whose recipe it is not.
+    preset: str = ""
 
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"

@@ -13,6 +13,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from dflash_mp.config import (
+    CONF_DIR,
     ConfigError,
     RootConfig,
     is_embedded_target,
@@ -128,6 +129,25 @@ def _validate_colocated(problems: list[str], t: Any, world_size: int | None) -> 
         )
 
 
+def preset_problems(cfg: DictConfig | RootConfig) -> list[str]:
+    """A real target under the embedded experiment, whose lr, drafter shape, sequence length and
+    data are sized for the tiny target: refused, naming the presets that fit a real one."""
+    if cfg.preset != "embedded" or is_embedded_target(str(cfg.model.target_path)):
+        return []
+    presets = sorted(
+        p.stem
+        for p in (CONF_DIR / "experiment").glob("*.yaml")
+        if p.stem not in ("embedded", "smoke", "custom")
+    )
+    return [
+        f"model.target_path={str(cfg.model.target_path)!r} under experiment=embedded, whose recipe is "
+        f"the tiny target's (optim.lr={cfg.optim.lr:g}, model.draft_layers={cfg.model.draft_layers}, "
+        f"model.block_size={cfg.model.block_size}, data.max_length={cfg.data.max_length}, toy data and "
+        f"eval prompts): pick your target's preset, experiment=<{' | '.join(presets)}>, or "
+        "experiment=custom (the paper's recipe) with model.target_path, data.train_files and data.eval_files"
+    ]
+
+
 def processes_per_job(cfg: DictConfig | RootConfig, visible_gpus: int) -> int | None:
     """The processes a local launch of `cfg` starts: targets + drafters; colocated with
     topology.drafters null: one per visible GPU (`visible_gpus`), None on CPU, where the user
@@ -142,7 +162,7 @@ def processes_per_job(cfg: DictConfig | RootConfig, visible_gpus: int) -> int | 
 
 def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> None:
     """Raise ConfigError listing every problem in `cfg` (fields named, valid ranges given)."""
-    problems: list[str] = []
+    problems: list[str] = preset_problems(cfg)
     m, d, t, o, tr = cfg.model, cfg.data, cfg.topology, cfg.optim, cfg.train
 
     _choice(problems, "topology.layout", t.layout, ("split", "colocated"))

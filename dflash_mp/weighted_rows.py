@@ -3,14 +3,13 @@
 The DFlash 2 selector's backward needs this with the target's LM head as the table (152k rows of
 4096 on Qwen3-8B) and 16 candidates per row. `F.embedding_bag` computes it, but on an H200 it reads
 the rows at about a sixth of the memory bandwidth (0.7 ms for 3584 x 16 rows of 8 KB); the Triton
-kernel here keeps all K row loads of a tile in flight at once. CPU builds take `embedding_bag`.
-Sums are fp32; the result takes the table's dtype.
+kernel here keeps all K row loads of a tile in flight at once. Elsewhere one gathered row per
+candidate at a time. Sums are fp32; the result takes the table's dtype.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 try:  # Triton ships with CUDA builds of torch.
@@ -27,7 +26,12 @@ def weighted_row_sum(table: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
     """[M, H] in table's dtype, from table [V, H], ids [M, K] and weights [M, K]."""
     if triton is not None and table.is_cuda and table.stride(-1) == 1:
         return _triton_weighted_row_sum(table, ids, weights)
-    return F.embedding_bag(ids, table, per_sample_weights=weights.to(table.dtype), mode="sum")
+    # As the kernel: fp32 weights and sum, one rounding to the table's dtype (embedding_bag would
+    # need the weights in a bf16 table's dtype, or a fp32 copy of the whole table).
+    total = torch.zeros(ids.shape[0], table.shape[1], dtype=torch.float32, device=table.device)
+    for pick in range(ids.shape[1]):
+        total += weights[:, pick, None].float() * table[ids[:, pick]].float()
+    return total.to(table.dtype)
 
 
 def _triton_weighted_row_sum(table: Tensor, ids: Tensor, weights: Tensor) -> Tensor:

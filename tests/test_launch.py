@@ -66,7 +66,18 @@ def test_doctor_names_a_busy_port_and_a_target_without_weights(tmp_path):
         busy.bind(("", 0))
         busy.listen()
         checks = doctor.preflight(
-            compose_config([f"model.target_path={target}"]), tmp_path / "run", port=busy.getsockname()[1]
+            compose_config(
+                [
+                    "experiment=custom",
+                    f"model.target_path={target}",
+                    "topology=2t1d",
+                    f"data.train_files=[{embedded_path('data/train.jsonl')}]",
+                    "data.max_length=512",
+                    "eval.every=0",
+                ]
+            ),
+            tmp_path / "run",
+            port=busy.getsockname()[1],
         )
     failed = {c.name: c.message for c in doctor.failed(checks)}
     assert set(failed) == {"target", "port"}, failed

@@ -10,6 +10,7 @@ import pytest
 
 from dflash_mp.config import ConfigError, compose_config, run_config, to_dataclass
 from dflash_mp.doctor import check_config
+from dflash_mp.embedded import embedded_path
 from dflash_mp.mask_token import MaskTokenError, load_mask_token, resolve_mask_token, save_run_tokenizer
 from dflash_mp.trainer import build_drafter
 from dflash_mp.validation import validate
@@ -19,7 +20,20 @@ QWEN3_MASK_ID = 151669  # len(Qwen3's tokenizer), the id of the published Qwen3 
 
 def _cfg(target: Path, *overrides: str):
     return to_dataclass(
-        compose_config([f"model.target_path={target}", "model.target_layer_ids=[1,2]", *overrides])
+        compose_config(
+            [
+                # A real target: experiment=custom, shrunk to the tiny stock target and the bundled data.
+                "experiment=custom",
+                f"model.target_path={target}",
+                "model.draft_layers=2",
+                "model.block_size=8",
+                "model.target_layer_ids=[1,2]",
+                "topology=2t1d",
+                f"data.train_files=[{embedded_path('data/train.jsonl')}]",
+                "eval.every=0",
+                *overrides,
+            ]
+        )
     )
 
 

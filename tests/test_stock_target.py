@@ -139,7 +139,10 @@ def test_a_stock_target_with_sharegpt_thinking_data_gives_a_drafter_dflash_decod
     run = tmp_path / "run"
     run_train(
         run,
+        "experiment=custom",  # a real target: the embedded experiment refuses it
         f"model.target_path={stock_qwen3_target}",
+        "model.draft_layers=2",
+        "model.block_size=8",
         "model.target_layer_ids=[1,3]",
         "topology=1t1d",
         "train.max_steps=100",

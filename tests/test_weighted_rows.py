@@ -58,8 +58,22 @@ def test_triton_sum_in_bf16_accumulates_in_fp32() -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_a_strided_table_takes_embedding_bag_and_agrees() -> None:
+def test_a_strided_table_takes_the_fallback_and_agrees() -> None:
     table, ids, weights = _inputs(200, 128, 8, 16, torch.float32, "cuda", seed=2)
     strided = table.t().contiguous().t()  # same values, stride(-1) != 1
     got = weighted_row_sum(strided, ids, weights)
     torch.testing.assert_close(got, _gathered(table, ids, weights), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_sum_keeps_fp32_weights_against_a_bf16_table() -> None:
+    # As the Triton kernel: the weights stay fp32 (a bf16 copy would round 1 + 2^-10 to 1 and the
+    # two picks below would cancel to 0), the sum is fp32 and is rounded to bf16 once.
+    table = torch.ones(3, 8, dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 1], [1, 2]])
+    weights = torch.tensor([[1.0 + 2**-10, -1.0], [0.3, 0.7]])
+    got = weighted_row_sum(table, ids, weights)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, _gathered(table, ids, weights).to(torch.bfloat16))
+    table, ids, weights = _inputs(300, 72, 11, 16, torch.bfloat16, "cpu", seed=3)
+    exact = _gathered(table, ids, weights)
+    assert ((weighted_row_sum(table, ids, weights).float() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
