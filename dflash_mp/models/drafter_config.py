@@ -21,8 +21,6 @@ _COPIED_KEYS = (
 # SGLang always do; vLLM would honour a partial_rotary_factor, docs/TARGETS.md), and its positions
 # are 1-D text positions, for which multimodal RoPE (mrope_section) equals plain RoPE.
 _DROPPED_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
-# An MLA target's heads say nothing about a plain attention layer's; the drafter takes this width.
-MLA_HEAD_DIM = 128
 
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 # dflash_config fields of a DFlash 2 drafter (the reference, vLLM and the MLX loader read them there).
@@ -80,7 +78,8 @@ def drafter_geometry(target: dict[str, Any]) -> dict[str, Any]:
     """What a drafter layer takes from the target's text config (a config.json dict).
 
     Heads as the target's attention has them; an MLA target (DeepSeek-V3, Kimi) has no plain
-    heads, so the drafter gets MLA_HEAD_DIM-wide heads filling hidden_size and up to 8 KV heads.
+    heads (its head_dim is the RoPE slice, 64), so the drafter gets heads of MLA's value width
+    (v_head_dim, 128) filling hidden_size, and up to 8 KV heads.
     The MLP width is the target's dense one, else 3 x hidden_size (Qwen3.5-MoE has only expert
     widths; 3 x is Qwen3-30B-A3B's ratio). The activation is SiLU whatever the target's MLP uses:
     SGLang and vLLM build DFlash layers with SiLU only.
@@ -88,14 +87,15 @@ def drafter_geometry(target: dict[str, Any]) -> dict[str, Any]:
     fields = {key: target[key] for key in _COPIED_KEYS if target.get(key) is not None}
     hidden, heads = int(target["hidden_size"]), int(target["num_attention_heads"])
     if target.get("kv_lora_rank") or target.get("qk_rope_head_dim"):
-        if hidden % MLA_HEAD_DIM:
+        head_dim = int(target.get("v_head_dim") or 128)
+        if hidden % head_dim:
             raise ValueError(
-                f"hidden_size {hidden} of an MLA target is not a multiple of {MLA_HEAD_DIM}, "
+                f"hidden_size {hidden} of an MLA target is not a multiple of its v_head_dim {head_dim}, "
                 "the drafter's head width"
             )
-        heads = hidden // MLA_HEAD_DIM
+        heads = hidden // head_dim
         kv_heads = next(n for n in (8, 4, 2, 1) if heads % n == 0)
-        fields.update(head_dim=MLA_HEAD_DIM, num_attention_heads=heads, num_key_value_heads=kv_heads)
+        fields.update(head_dim=head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads)
     else:
         fields.update(
             # Older configs omit head_dim; Qwen3Config's default (128) would then be wrong.
