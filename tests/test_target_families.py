@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import build_drafter_config
 from dflash_mp.models.target import TargetFeatureExtractor
 from dflash_mp.validation import validate
-from tests.conftest import read_metrics, run_train
+from tests.conftest import REPO, job_env, read_metrics
 from tests.drafters import embedded_config
 from tests.target_families import FAMILIES, LAYER_KINDS, ensure_family_target, family_config
 
@@ -154,22 +156,31 @@ def test_features_equal_hf_hidden_states(name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_family_trains_exports_and_loads_in_the_reference(name: str, tmp_path: Path) -> None:
-    target = ensure_family_target(name)
+    """Two steps of one colocated rank under plain torchrun (no launcher: ~9 s of CPU a family)."""
+    from dflash_mp.embedded import embedded_path
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(embedded_path("data/train.jsonl").read_text().splitlines(True)[:16]))
     run = tmp_path / "run"
-    run_train(
-        run,
-        f"model.target_path={target}",
+    overrides = [
+        f"run_dir={run}",
+        f"model.target_path={ensure_family_target(name)}",
         "model.target_layer_ids=[1,3]",
         "model.block_size=4",
         "topology=colocated",
-        "topology.drafters=1",
         "train.max_steps=2",
+        f"data.train_files=[{train}]",
         "data.max_length=64",
         "data.num_anchors=4",
         "eval.every=0",
-        timeout=300,
-    )
-    assert [m["step"] for m in read_metrics(run)][-1] == 2
+    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    job = subprocess.run(
+        [*torchrun, "-m", "dflash_mp.train", *overrides],
+        cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(run)] == [1, 2]
     drafter, info = DFlashDraftModel.from_pretrained(str(run / "export"), output_loading_info=True)
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     assert (drafter.block_size, drafter.mask_token_id, drafter.target_layer_ids) == (4, 151669, [1, 3])
