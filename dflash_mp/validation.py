@@ -92,6 +92,29 @@ def _validate_dflash2_against_target(problems: list[str], m: Any, target: dict[s
         problems.append(f"model.selector_top_k={m.selector_top_k}: exceeds the target's vocab_size {vocab}")
 
 
+def drafter_config_problems(m: Any, target: dict[str, Any], layer_ids: list[int]) -> list[str]:
+    """Whether the drafter's config builds from the target's config.json (its RoPE, heads, MLP), as
+    training will build it: a target the drafter cannot follow fails here, not 20 s into a job."""
+    from dflash_mp.models.drafter_config import build_drafter_config
+
+    if any(key not in target for key in ("hidden_size", "num_attention_heads", "vocab_size")):
+        return []  # not a model's config (a stub in tests); loading the target reports it
+    try:
+        build_drafter_config(
+            target,
+            draft_layers=m.draft_layers,
+            target_layer_ids=layer_ids,
+            block_size=max(2, m.block_size),
+            mask_token_id=0,  # the other fields are checked on their own above
+        )
+    except ValueError as error:
+        return [
+            f"model.target_path={str(m.target_path)!r}: its config.json gives no drafter config "
+            f"({error}); see docs/TARGETS.md for what each target family gives the drafter"
+        ]
+    return []
+
+
 def _validate_split(problems: list[str], t: Any, world_size: int | None) -> None:
     _at_least(problems, "topology.targets", t.targets, 1, " (no target ranks: topology=colocated)")
     _at_least(problems, "topology.drafters", t.drafters, 1, " (null only with topology.layout=colocated)")
@@ -277,6 +300,8 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
                 )
             if len(set(ids)) != len(ids):
                 problems.append(f"model.target_layer_ids={ids!r}: ids must be distinct")
+            if not bad:
+                problems += drafter_config_problems(m, target, ids)
         problems += mask_token_problems(cfg.model, target_dir)
         problems += target_parallel_head_problems(t.target_parallel, target)
         max_positions = target.get("max_position_embeddings")

@@ -7,21 +7,20 @@ from typing import Any
 
 from transformers import PretrainedConfig, Qwen3Config
 
-# Target-config keys that fix the shape and numerics of a decoder layer; the drafter copies them.
-_LAYER_SHAPE_KEYS = (
+# Target-config keys the drafter copies as they are (the head geometry, the MLP width, the
+# activation and RoPE are derived: `drafter_geometry`).
+_COPIED_KEYS = (
     "hidden_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "hidden_act",
     "rms_norm_eps",
     "attention_bias",
     "max_position_embeddings",
     "vocab_size",
     "initializer_range",
 )
-# Both the current (`rope_parameters`) and the legacy spelling, which Qwen3Config converts itself.
-_ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling")
+# The rope_parameters keys the drafter keeps: its RoPE rotates the whole head (the reference and
+# SGLang always do; vLLM would honour a partial_rotary_factor, docs/TARGETS.md), and its positions
+# are 1-D text positions, for which multimodal RoPE (mrope_section) equals plain RoPE.
+_DROPPED_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 # dflash_config fields of a DFlash 2 drafter (the reference, vLLM and the MLX loader read them there).
@@ -49,6 +48,81 @@ def target_scaling(target: dict[str, Any]) -> dict[str, float | None]:
         "output_multiplier": 1.0 / float(logits_scaling) if logits_scaling else 1.0,
         "final_logit_softcapping": target.get("final_logit_softcapping") or None,
     }
+
+
+def drafter_rope(target: dict[str, Any]) -> dict[str, Any]:
+    """The drafter's rope_parameters from the target's (docs/TARGETS.md).
+
+    A per-layer-type dict (Gemma 3 under transformers 5) gives its full-attention entry, the
+    RoPE of the target's global layers; legacy rope_theta/rope_scaling are read as transformers
+    4 wrote them; the keys of `_DROPPED_ROPE_KEYS` are left out.
+    """
+    params = target.get("rope_parameters")
+    if params is None:
+        params = dict(target.get("rope_scaling") or {})
+        params["rope_type"] = params.pop("type", params.get("rope_type", "default"))
+        params["rope_theta"] = float(target.get("rope_theta") or 10000.0)
+    elif params and all(isinstance(value, dict) for value in params.values()):
+        if "full_attention" not in params:
+            raise ValueError(
+                f"rope_parameters is per layer type ({sorted(params)}) without a full_attention entry, "
+                "the RoPE the drafter's layers take"
+            )
+        params = params["full_attention"]
+    params = {key: value for key, value in params.items() if key not in _DROPPED_ROPE_KEYS}
+    params.setdefault("rope_type", "default")
+    return params
+
+
+def drafter_geometry(target: dict[str, Any]) -> dict[str, Any]:
+    """What a drafter layer takes from the target's text config (a config.json dict).
+
+    Heads as the target's attention has them; an MLA target (DeepSeek-V3, Kimi) has no plain
+    heads (its head_dim is the RoPE slice, 64), so the drafter gets heads of MLA's value width
+    (v_head_dim, 128) filling hidden_size, and up to 8 KV heads.
+    The MLP width is the target's dense one, else 3 x hidden_size (Qwen3.5-MoE has only expert
+    widths; 3 x is Qwen3-30B-A3B's ratio). The activation is SiLU whatever the target's MLP uses:
+    SGLang and vLLM build DFlash layers with SiLU only.
+    """
+    fields = {key: target[key] for key in _COPIED_KEYS if target.get(key) is not None}
+    hidden, heads = int(target["hidden_size"]), int(target["num_attention_heads"])
+    if target.get("kv_lora_rank") or target.get("qk_rope_head_dim"):
+        head_dim = int(target.get("v_head_dim") or 128)
+        if hidden % head_dim:
+            raise ValueError(
+                f"hidden_size {hidden} of an MLA target is not a multiple of its v_head_dim {head_dim}, "
+                "the drafter's head width"
+            )
+        heads = hidden // head_dim
+        kv_heads = next(n for n in (8, 4, 2, 1) if heads % n == 0)
+        fields.update(head_dim=head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    else:
+        fields.update(
+            # Older configs omit head_dim; Qwen3Config's default (128) would then be wrong.
+            head_dim=int(target.get("head_dim") or hidden // heads),
+            num_attention_heads=heads,
+            num_key_value_heads=int(target.get("num_key_value_heads") or heads),
+        )
+    fields["intermediate_size"] = int(target.get("intermediate_size") or 3 * hidden)
+    fields["hidden_act"] = "silu"
+    fields["rope_parameters"] = drafter_rope(target)
+    return fields
+
+
+def _rope_problem(config: Qwen3Config) -> str | None:
+    """Why the drafter's rotary embedding cannot be built from `config`, if it cannot."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    rope = config.rope_parameters
+    try:
+        frequencies = Qwen3RotaryEmbedding(config).inv_freq.numel()
+    except (KeyError, ValueError, TypeError) as error:
+        return f"the target's RoPE {rope} does not build a drafter rotary embedding ({error!r})"
+    if 2 * frequencies != config.head_dim:
+        return (
+            f"the target's RoPE {rope} rotates {2 * frequencies} of the drafter's {config.head_dim} head dims"
+        )
+    return None
 
 
 def drafter_arch(config: PretrainedConfig) -> str:
@@ -127,15 +201,16 @@ def build_drafter_config(
     if (scaling["final_logit_softcapping"] or 0) <= 0:  # 0 asks for no cap, whatever the target does
         scaling["final_logit_softcapping"] = None
     scaling = {key: value for key, value in scaling.items() if value != SCALING_DEFAULTS[key]}
+    try:
+        fields = drafter_geometry(target)
+    except ValueError as error:
+        problems.append(str(error))
     if problems:
         raise ValueError("invalid drafter config: " + "; ".join(problems))
 
-    fields = {key: target[key] for key in _LAYER_SHAPE_KEYS + _ROPE_KEYS if target.get(key) is not None}
-    # Older configs omit head_dim; Qwen3Config's default (128) would then be wrong.
-    fields["head_dim"] = target.get("head_dim") or target["hidden_size"] // target["num_attention_heads"]
     if sliding:  # Qwen3Config drops sliding_window unless use_sliding_window is set
         fields.update(use_sliding_window=True, sliding_window=int(sliding_window))
-    return Qwen3Config(
+    config = Qwen3Config(
         **fields,
         layer_types=layer_types,
         num_hidden_layers=draft_layers,
@@ -149,3 +224,6 @@ def build_drafter_config(
             **{key: None if value is None else float(value) for key, value in scaling.items()},
         },
     )
+    if problem := _rope_problem(config):
+        raise ValueError(f"invalid drafter config: {problem}")
+    return config
