@@ -125,13 +125,31 @@ def test_the_preflight_refuses_a_target_the_drafter_cannot_follow(
 ) -> None:
     target = _target_with(tmp_path, "gemma3", **fields)
     with pytest.raises(ConfigError, match=rf"model.target_path='{target}'.*{message}"):
-        validate(embedded_config(f"model.target_path={target}", "model.target_layer_ids=[1,3]"))
+        validate(custom_recipe(target))
+
+
+def custom_recipe(target: Path, *overrides: str):
+    """experiment=custom (a real target's recipe), shrunk to the tiny family targets."""
+    from dflash_mp.embedded import embedded_path
+
+    return embedded_config(
+        "experiment=custom",
+        f"model.target_path={target}",
+        "model.draft_layers=2",
+        "model.block_size=8",
+        "model.target_layer_ids=[1,3]",
+        "topology=2t1d",
+        f"data.train_files=[{embedded_path('data/train.jsonl')}]",
+        "data.max_length=128",  # the tiny targets' context is 512
+        "data.num_anchors=16",
+        "eval.every=0",
+        *overrides,
+    )
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_family_passes_the_preflight(name: str) -> None:
-    target = ensure_family_target(name)
-    validate(embedded_config(f"model.target_path={target}", "model.target_layer_ids=[1,3]"))
+    validate(custom_recipe(ensure_family_target(name)))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -164,6 +182,8 @@ def test_a_family_trains_exports_and_loads_in_the_reference(name: str, tmp_path:
     run = tmp_path / "run"
     overrides = [
         f"run_dir={run}",
+        "experiment=custom",  # a real target's recipe, shrunk below
+        "model.draft_layers=2",
         f"model.target_path={ensure_family_target(name)}",
         "model.target_layer_ids=[1,3]",
         "model.block_size=4",
