@@ -170,7 +170,7 @@ def _run_role(cfg, job, run_dir: Path) -> None:
     first_drafter = job.topology.targets
     state = None
     if job.is_first_drafter:
-        start_step, state = resume_step(cfg, run_dir, layout_at)
+        start_step, state = resume_step(cfg, run_dir, layout_at, steps)
     start_step = broadcast_int(start_step if job.is_first_drafter else 0, first_drafter, job.meta_group)
     watchdog.beat("load", start_step)
     dtype, _, compile_layers = resolve_precision(cfg, job.device)
