@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,34 @@ def finite_or_null(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: finite_or_null(v) for k, v in value.items()}
     return value
+
+
+class NothingTrained(RuntimeError):
+    """Every optimizer step of the job was skipped: the drafter learned nothing."""
+
+
+class StepTally:
+    """Which of a job's optimizer steps applied an update, so that one that applied none fails."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.skipped: Counter = Counter()  # skip_reason -> steps
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.steps.append(record["step"])
+        if record.get("skipped"):
+            self.skipped[record.get("skip_reason")] += 1
+
+    def require_training(self) -> None:
+        if not self.steps or sum(self.skipped.values()) < len(self.steps):
+            return
+        reasons = ", ".join(f"{reason}: {count}" for reason, count in self.skipped.most_common())
+        raise NothingTrained(
+            f"trained nothing: all {len(self.steps)} steps of this job (steps {self.steps[0]} to "
+            f"{self.steps[-1]}) were skipped ({reasons}), so no update was applied. no_loss_tokens: the "
+            "records had no loss token (bad or unreadable data: `python -m dflash_mp.launch doctor` "
+            "reads a sample and names file:line); nonfinite: check the target's hidden states and optim.lr"
+        )
 
 
 class MetricsLogger:

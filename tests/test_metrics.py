@@ -53,3 +53,16 @@ def test_a_failed_metrics_write_names_the_file_the_cause_and_what_is_kept(tmp_pa
     assert f"cannot write step 2 to {tmp_path / 'metrics.jsonl'}: the disk is full" in message
     assert "Kept: metrics.jsonl through step 1, checkpoints up to step_00000001" in message
     assert "train.resume=true" in message
+
+
+def test_a_job_whose_every_step_was_skipped_fails_naming_the_reasons():
+    from dflash_mp.metrics import NothingTrained, StepTally
+
+    tally = StepTally()
+    for step in range(1, 6):
+        tally.add(_record(step, loss=None, skipped=True, skip_reason="no_loss_tokens"))
+    with pytest.raises(NothingTrained, match=r"all 5 steps of this job \(steps 1 to 5\).*no_loss_tokens: 5"):
+        tally.require_training()
+    tally.add(_record(6, skipped=False, skip_reason=None))
+    tally.require_training()  # one applied step: it trained
+    StepTally().require_training()  # no step at all (nothing was due): not this failure
