@@ -63,6 +63,7 @@ def run_rank(dict_cfg: DictConfig) -> None:
     except watchdog.Preempted as stop:
         watchdog.finish("preempted")
         append_job_log(run_dir, f"rank {job.rank} ({job.role.value}) {stop}")
+        _leave_process_groups()
         sys.exit(watchdog.EXIT_PREEMPTED)
     except BaseException as e:
         # Once a stop was requested, a rank whose peers already left ends on a broken connection:
@@ -72,6 +73,7 @@ def run_rank(dict_cfg: DictConfig) -> None:
         append_job_log(run_dir, f"rank {job.rank} ({job.role.value}) {state}: {type(e).__name__}: {e}")
         if state == "stopped":
             get_logger().info("stopped on request", exc_info=True)
+            _leave_process_groups()
             sys.exit(watchdog.EXIT_PREEMPTED)
         raise
     watchdog.finish("done")  # waiting in the barrier below is not a hang
@@ -79,6 +81,16 @@ def run_rank(dict_cfg: DictConfig) -> None:
     dist.destroy_process_group()
     if job.rank == 0:
         append_job_log(run_dir, f"finished: {run_dir}")
+
+
+def _leave_process_groups() -> None:
+    """Destroy the process groups before a rank exits early: left to the interpreter's exit, gloo's
+    threads are still joinable when C++ destroys them, and the rank aborts ("terminate called
+    without an active exception", "Fatal Python error: Aborted") after it ended cleanly."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _preflight_under_plain_torchrun(cfg, run_dir: Path, job) -> None:
@@ -113,9 +125,7 @@ def _preflight_under_plain_torchrun(cfg, run_dir: Path, job) -> None:
     problem = broadcast_text(problem, src=0, group=job.meta_group)
     if problem:
         print(f"dflash_mp: rank {job.rank}: refused: {problem}", file=sys.stderr, flush=True)
-        import torch.distributed as dist
-
-        dist.destroy_process_group()  # exiting with live gloo groups can abort the interpreter
+        _leave_process_groups()
         sys.exit(EXIT_CONFIG_ERROR)
 
 
