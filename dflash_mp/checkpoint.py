@@ -4,8 +4,11 @@ Layout: run_dir/checkpoints/step_00000120/{drafter.safetensors, optimizer.pt, me
 A checkpoint is written into a hidden temporary directory, every file fsynced, and only
 then renamed to its final name (rename is atomic on POSIX), so a crash mid-save never
 leaves a directory that looks whole but is not. meta.json is written last and names the
-step and the data layout (dflash_mp.resume); a directory without a readable meta.json is not a
-checkpoint.
+step, the data layout (dflash_mp.resume) and each file's size and sha256; a directory without a
+readable meta.json is not a checkpoint. A resume verifies the newest against those records and falls
+back to the newest intact one (a disk or a copy can corrupt a file after the save). A failed write
+removes its partial copy and names the file, the cause and the checkpoint kept. Files get the read
+permissions of the checkpoint directory (safetensors would create them 0600).
 
 Re-saving a step moves the old directory aside before the rename and deletes it after, so a kill
 in between loses nothing: `sweep_stale` (at every save and at resume) puts such a directory back
@@ -15,11 +18,14 @@ and deletes temporary directories of saves that were killed. One job writes a ru
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +35,12 @@ from safetensors.torch import load_file, save_file
 _NAME = re.compile(r"^step_(\d{8})$")
 _TMP_PREFIX = ".tmp-step_"
 _ASIDE = re.compile(r"^\.replaced-(step_\d{8})-\d+$")
-FORMAT = 2  # 2: meta.json holds the data layout
+FORMAT = 3  # 2: meta.json holds the data layout; 3: and each file's size and sha256
+FILES = ("drafter.safetensors", "optimizer.pt")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or used; the message names the path, the cause and the fix."""
 
 
 @dataclass
@@ -81,15 +92,11 @@ def save(
     tmp = root / f"{_TMP_PREFIX}{state.step:08d}-{os.getpid()}"
     sweep_stale(root)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model = {k: v.detach().to("cpu").contiguous() for k, v in state.model.items()}
-    save_file(model, str(tmp / "drafter.safetensors"))
-    torch.save({"optimizer": state.optimizer, "rng": state.rng}, tmp / "optimizer.pt")
-    meta = {"step": state.step, "format": FORMAT, "data_layout": data_layout}
-    (tmp / "meta.json").write_text(json.dumps(meta))
-    for name in ("drafter.safetensors", "optimizer.pt", "meta.json"):
-        fsync_path(tmp / name)
-    fsync_path(tmp)
+    try:
+        _write(tmp, state, data_layout, stat.S_IMODE(root.stat().st_mode))
+    except Exception as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_failure(root, state.step, tmp, error) from error
     aside = None
     if final.exists():  # a re-save of the same step (e.g. after a resume) replaces the old one
         aside = root / f".replaced-{final.name}-{os.getpid()}"
@@ -105,6 +112,44 @@ def save(
         os.rename(old, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
     return final
+
+
+def _write(tmp: Path, state: TrainingState, data_layout: dict | None, mode: int) -> None:
+    tmp.mkdir()
+    model = {k: v.detach().to("cpu").contiguous() for k, v in state.model.items()}
+    save_file(model, str(tmp / "drafter.safetensors"))
+    # Through a Python file: a failed write then carries its OSError (errno), not only torch's
+    # "unexpected pos".
+    with open(tmp / "optimizer.pt", "wb") as f:
+        torch.save({"optimizer": state.optimizer, "rng": state.rng}, f)
+    files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)} for name in FILES}
+    meta = {"step": state.step, "format": FORMAT, "data_layout": data_layout, "files": files}
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    for name in (*FILES, "meta.json"):
+        os.chmod(tmp / name, mode & 0o666)  # as readable as the directory, never executable
+        fsync_path(tmp / name)
+    os.chmod(tmp, mode)
+    fsync_path(tmp)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_failure(root: Path, step: int, tmp: Path, error: Exception) -> CheckpointError:
+    from dflash_mp.rundir import write_error_cause
+
+    kept = latest(root)
+    return CheckpointError(
+        f"cannot write the checkpoint of step {step} into {root}: {write_error_cause(error, root)}. "
+        f"Its partial copy ({tmp.name}) was removed and no checkpoint was replaced: "
+        + (f"the newest is still {kept.name}" if kept else "there is no earlier checkpoint")
+        + ". Free space (or raise the quota or limit), then continue with train.resume=true"
+    )
 
 
 def sweep_stale(checkpoint_dir: str | Path) -> list[str]:
@@ -156,6 +201,55 @@ def latest(checkpoint_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def verify(path: str | Path) -> str | None:
+    """Why the checkpoint at `path` must not be used (None: intact): meta.json unreadable or of
+    another step, a file missing, or of another size or sha256 than recorded at the save. Before
+    format 3 no sizes or digests were recorded: only the files' presence is checked."""
+    path = Path(path)
+    match = _NAME.match(path.name)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"meta.json is missing or unreadable ({type(e).__name__}: {e})"
+    if not isinstance(meta, dict) or match is None or meta.get("step") != int(match.group(1)):
+        return f"meta.json does not name step {match.group(1) if match else '?'}"
+    recorded = meta.get("files") or {}
+    for name in FILES:
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if name not in recorded:
+            continue
+        size = file.stat().st_size
+        if size != recorded[name]["bytes"]:
+            return f"{name} has {size} bytes, {recorded[name]['bytes']} were written"
+        if _sha256(file) != recorded[name]["sha256"]:
+            return f"{name} does not match the sha256 recorded when it was written"
+    return None
+
+
+def newest_intact(checkpoint_dir: str | Path, warn: Callable[[str], None]) -> Path | None:
+    """The newest checkpoint that verifies; each newer one that does not is named through `warn`.
+    None when there is no checkpoint at all; CheckpointError, naming each, when none verifies."""
+    root = Path(checkpoint_dir)
+    found = sorted((p for p in root.iterdir() if _NAME.match(p.name)), reverse=True) if root.is_dir() else []
+    bad = []
+    for path in found:
+        problem = verify(path)
+        if problem is None:
+            for skipped in bad:
+                warn(f"skipping the damaged checkpoint {skipped}; resuming from {path.name} instead")
+            return path
+        bad.append(f"{path}: {problem}")
+    if bad:
+        listed = "".join(f"\n  - {b}" for b in bad)
+        raise CheckpointError(
+            f"no intact checkpoint to resume from in {root}:{listed}\nRestore them from a copy, or "
+            "start over (train.resume=false with another run_dir, or train.overwrite=true)"
+        )
+    return None
+
+
 def read_meta(path: str | Path) -> dict:
     """meta.json of a checkpoint: step, format and (format 2) the data layout."""
     return json.loads((Path(path) / "meta.json").read_text())
@@ -164,8 +258,14 @@ def read_meta(path: str | Path) -> dict:
 def load(path: str | Path) -> TrainingState:
     """Load on the CPU; `optimizer.load_state_dict` moves its state to the parameters' device."""
     path = Path(path)
-    meta = json.loads((path / "meta.json").read_text())
-    model = load_file(str(path / "drafter.safetensors"))
-    # weights_only: a checkpoint directory may come from elsewhere; never run its pickles.
-    rest = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        model = load_file(str(path / "drafter.safetensors"))
+        # weights_only: a checkpoint directory may come from elsewhere; never run its pickles.
+        rest = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot read the checkpoint {path}: {type(e).__name__}: {e}. Restore it from a copy, or "
+            "delete it to resume from the one before"
+        ) from e
     return TrainingState(step=int(meta["step"]), model=model, optimizer=rest["optimizer"], rng=rest["rng"])

@@ -79,12 +79,28 @@ def preflight(
         checks.append(check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite))
         # A sample of the data through the real tokenizer and template, once they can be read.
         if all(c.ok for c in checks if c.name in ("imports", "config", "target")):
-            from dflash_mp.data.preflight import check_data_sample
-
-            checks.append(Check("data", *check_data_sample(cfg)))
+            checks += reading_checks(cfg)
     checks += [check_disk(run_dir), check_reaper()]
     if port is not None:
         checks.append(check_port(port))
+    return checks
+
+
+def reading_checks(cfg: RootConfig) -> list[Check]:
+    """The checks that read the data and the held-out prompts through the target's tokenizer
+    (validate reads neither). Under plain torchrun rank 0 runs them before any heavy work."""
+    from dflash_mp.data.preflight import check_data_sample
+    from dflash_mp.evaluation import eval_context_problem
+
+    checks = [Check("data", *check_data_sample(cfg))]
+    if cfg.eval.every:
+        try:
+            problem = eval_context_problem(cfg)
+        except Exception as e:  # prompts or tokenizer that do not load: the message names them
+            problem = f"cannot read the held-out prompts: {type(e).__name__}: {e}"
+        checks.append(
+            Check("eval", problem is None, problem or "the held-out prompts fit the target's context")
+        )
     return checks
 
 

@@ -178,6 +178,35 @@ def _check_lengths(prompts: Sequence[Prompt], max_new_tokens: int, context: int 
         )
 
 
+def eval_context_problem(cfg: Any) -> str | None:
+    """The preflight's eval check: why eval.every's decoding would not fit the target's context
+    (None: it fits, or eval.every=0). The same rule the evaluator applies when the drafter starts,
+    known here before any worker does."""
+    from dflash_mp.config import read_target_config
+    from dflash_mp.data import load_tokenizer
+
+    context = read_target_config(cfg.model.target_path).get("max_position_embeddings")
+    if not cfg.eval.every or context is None:
+        return None
+    tokenizer = load_tokenizer(
+        cfg.model.target_path, cfg.model.trust_remote_code, require_chat_template=not cfg.data.chat_template
+    )
+    prompts = load_eval_prompts(cfg, tokenizer)
+    if not prompts:
+        return "no held-out prompts in data.eval_files: add prompts or set eval.every=0"
+    longest = max(prompts, key=lambda p: len(p.input_ids))
+    new_tokens = cfg.eval.max_new_tokens
+    if len(longest.input_ids) + new_tokens <= context:
+        return None
+    return (
+        f"eval.every={cfg.eval.every} decodes eval.max_new_tokens={new_tokens} tokens after prompts of "
+        f"up to {len(longest.input_ids)} tokens ({longest.source}), {len(longest.input_ids) + new_tokens} "
+        f"positions, beyond the target's max_position_embeddings={context} (model.target_path="
+        f"{cfg.model.target_path}): set eval.max_new_tokens<={context - len(longest.input_ids)}, use "
+        "shorter prompts in data.eval_files, or eval.every=0"
+    )
+
+
 # ----------------------------------------------------------------------------------------
 # evaluation
 

@@ -1,16 +1,19 @@
 """Per-step metrics: metrics.jsonl, a console progress line with ETA, optional wandb.
 
-All of it lives on the first drafter rank only.
+All of it lives on the first drafter rank only. metrics.jsonl is strict JSON: a non-finite
+number (a NaN loss of a skipped step) is written as null, which every JSON reader accepts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,49 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+class MetricsWriteError(OSError):
+    """metrics.jsonl could not be written; the message names the file, the cause and what is kept."""
+
+
+def finite_or_null(value: Any) -> Any:
+    """`value` with every NaN and infinity (also inside lists and dicts) replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [finite_or_null(v) for v in value]
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    return value
+
+
+class NothingTrained(RuntimeError):
+    """Every optimizer step of the job was skipped: the drafter learned nothing."""
+
+
+class StepTally:
+    """Which of a job's optimizer steps applied an update, so that one that applied none fails."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.skipped: Counter = Counter()  # skip_reason -> steps
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.steps.append(record["step"])
+        if record.get("skipped"):
+            self.skipped[record.get("skip_reason")] += 1
+
+    def require_training(self) -> None:
+        if not self.steps or sum(self.skipped.values()) < len(self.steps):
+            return
+        reasons = ", ".join(f"{reason}: {count}" for reason, count in self.skipped.most_common())
+        raise NothingTrained(
+            f"trained nothing: all {len(self.steps)} steps of this job (steps {self.steps[0]} to "
+            f"{self.steps[-1]}) were skipped ({reasons}), so no update was applied. no_loss_tokens: the "
+            "records had no loss token (bad or unreadable data: `python -m dflash_mp.launch doctor` "
+            "reads a sample and names file:line); nonfinite: check the target's hidden states and optim.lr"
+        )
+
+
 class MetricsLogger:
     def __init__(
         self, run_dir: str | Path, total_steps: int, first_step: int, logger_cfg, config: dict
@@ -40,6 +86,7 @@ class MetricsLogger:
         self.path = Path(run_dir) / "metrics.jsonl"
         truncate_metrics(self.path, first_step)
         self.file = open(self.path, "a")  # noqa: SIM115 - held open for the run
+        self.last_written = first_step
         self.total_steps = total_steps
         self.first_step = first_step
         self.start = time.perf_counter()
@@ -49,8 +96,12 @@ class MetricsLogger:
             self.wandb = _init_wandb(run_dir, logger_cfg, config)
 
     def log(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(finite_or_null(record), allow_nan=False) + "\n")
+            self.file.flush()
+        except OSError as error:
+            raise self._write_failure(record["step"], error) from error
+        self.last_written = record["step"]
         if self.wandb is not None:
             flat = {k: v for k, v in record.items() if isinstance(v, (int, float))}
             for key, values in record.items():  # per-position lists: acc, and DFlash 2's selector metrics
@@ -83,6 +134,17 @@ class MetricsLogger:
             )
         else:
             get_logger().info(line)
+
+    def _write_failure(self, step: int, error: OSError) -> MetricsWriteError:
+        from dflash_mp.rundir import write_error_cause
+
+        checkpoints = sorted(p.name for p in self.path.parent.glob("checkpoints/step_*"))
+        kept = f"checkpoints up to {checkpoints[-1]}" if checkpoints else "no checkpoint yet"
+        return MetricsWriteError(
+            f"cannot write step {step} to {self.path}: {write_error_cause(error, self.path.parent)}. "
+            f"Kept: {self.path.name} through step {self.last_written}, {kept}. Free space (or raise "
+            "the quota or limit), then continue with train.resume=true"
+        )
 
     def close(self) -> None:
         self.file.close()

@@ -15,7 +15,7 @@ from dflash_mp.data import JsonlIndex, MicroBatch, MicroBatchReader, micro_batch
 from dflash_mp.data.chat import load_renderer
 from dflash_mp.distributed import Job
 from dflash_mp.logs import get_logger
-from dflash_mp.resume import check_layout
+from dflash_mp.resume import ResumeRefused, check_layout
 from dflash_mp.topology import Topology
 from dflash_mp.trainer import PreparedBatch
 from dflash_mp.transport import Features, Receiver, Sender, pack_tokens
@@ -239,22 +239,30 @@ def _balance(receiver: Receiver, targets: dict[int, tuple[float, float]]) -> dic
 
 
 def resume_step(
-    cfg: RootConfig, run_dir: Path, layout_at: Callable[[int], dict]
+    cfg: RootConfig, run_dir: Path, layout_at: Callable[[int], dict], steps: int
 ) -> tuple[int, checkpoint.TrainingState | None]:
-    """The first drafter's resume point: the newest complete checkpoint, after sweeping what
-    killed saves left. `layout_at(step)` is this job's data layout at that step; a checkpoint
-    whose recorded layout it contradicts is refused before any weights are read."""
+    """The first drafter's resume point: the newest intact checkpoint (a damaged newer one is
+    skipped with a warning), after sweeping what killed saves left. `layout_at(step)` is this
+    job's data layout at that step; a checkpoint whose recorded layout it contradicts, or that
+    leaves none of the job's `steps` to train, is refused before any weights are read."""
     if not cfg.train.resume:
         return 0, None
     log = get_logger()
     root = run_dir / "checkpoints"
     for note in checkpoint.sweep_stale(root):
         log.info("checkpoints: %s", note)
-    path = checkpoint.latest(root)
+    path = checkpoint.newest_intact(root, log.warning)
     if path is None:
         log.info("train.resume=true but no complete checkpoint in %s: starting at step 0", run_dir)
         return 0, None
     meta = checkpoint.read_meta(path)
+    if int(meta["step"]) >= steps:
+        raise ResumeRefused(
+            f"cannot resume from {path}: it is at step {meta['step']} and this job ends at step {steps} "
+            f"(train.max_steps={cfg.train.max_steps}), so there is nothing left to train. Raise "
+            f"train.max_steps above {meta['step']} (or -1 for train.epochs), or start a new run "
+            "(another run_dir, train.resume=false)"
+        )
     for note in check_layout(meta.get("data_layout"), layout_at(int(meta["step"])), str(path)):
         log.warning("resume: %s", note)
     state = checkpoint.load(path)

@@ -16,9 +16,12 @@ Free of torch imports: the launcher uses it before anything heavy is imported.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import re
+import resource
 import shutil
 import socket
 import time
@@ -94,6 +97,33 @@ def _holder(path: Path) -> str:
         return f"pid {pid} on host {host} holds {path}"
     # The process that took the lock is gone; what it started still shares the lock.
     return f"pid {pid} on host {host} took {path} and has exited, but pid(s) {holders_of(path)} still hold it"
+
+
+def write_error_cause(error: BaseException, where: Path) -> str:
+    """A failed write in words: the OS error in `error`'s chain (or in a message such as
+    safetensors' "(os error 27)"), named as disk full, quota or file-size limit, with the free space."""
+    code = None
+    cause: BaseException | None = error
+    while cause is not None and code is None:
+        code = cause.errno if isinstance(cause, OSError) else None
+        found = re.search(r"os error (\d+)", str(cause))
+        code = code or (int(found.group(1)) if found else None)
+        cause = cause.__cause__ or cause.__context__
+    try:
+        free = f"{shutil.disk_usage(where).free / 2**30:.1f} GiB free at {where}"
+    except OSError:
+        free = f"free space at {where} unknown"
+    if code == errno.ENOSPC:
+        return f"the disk is full ({free})"
+    if code == errno.EDQUOT:
+        return f"the disk quota is exceeded ({free})"
+    if code == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        shown = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes"
+        return f"a file would exceed the file-size limit (ulimit -f: {shown})"
+    if code is not None:
+        return f"{os.strerror(code)} ({free})"
+    return f"{type(error).__name__}: {error} (a full disk, a quota or a file-size limit are the usual causes; {free})"
 
 
 # ------------------------------------------------------------------------------ fresh starts

@@ -49,7 +49,7 @@ def run_rank(dict_cfg: DictConfig) -> None:
     timeout_s = process_group_timeout_s(cfg.watchdog.timeout_s)
     job = init_job(topology, cfg.train.device, timeout_s=timeout_s)
     run_dir = Path(shared_run_dir(cfg.run_dir, cfg.name, job.meta_group))
-    _claim_run_dir(cfg, run_dir, job)
+    _preflight_under_plain_torchrun(cfg, run_dir, job)
     if job.rank == 0:
         why = (
             f"watchdog.timeout_s={cfg.watchdog.timeout_s:g} + margin, so the watchdog fires first"
@@ -63,6 +63,7 @@ def run_rank(dict_cfg: DictConfig) -> None:
     except watchdog.Preempted as stop:
         watchdog.finish("preempted")
         append_job_log(run_dir, f"rank {job.rank} ({job.role.value}) {stop}")
+        _leave_process_groups()
         sys.exit(watchdog.EXIT_PREEMPTED)
     except BaseException as e:
         # Once a stop was requested, a rank whose peers already left ends on a broken connection:
@@ -72,6 +73,7 @@ def run_rank(dict_cfg: DictConfig) -> None:
         append_job_log(run_dir, f"rank {job.rank} ({job.role.value}) {state}: {type(e).__name__}: {e}")
         if state == "stopped":
             get_logger().info("stopped on request", exc_info=True)
+            _leave_process_groups()
             sys.exit(watchdog.EXIT_PREEMPTED)
         raise
     watchdog.finish("done")  # waiting in the barrier below is not a hang
@@ -81,11 +83,23 @@ def run_rank(dict_cfg: DictConfig) -> None:
         append_job_log(run_dir, f"finished: {run_dir}")
 
 
-def _claim_run_dir(cfg, run_dir: Path, job) -> None:
-    """Under plain torchrun (no launcher holds the run directory), rank 0 takes its lock for the
-    life of its process and refuses a fresh start over an earlier run (or clears it with
-    train.overwrite=true); every rank exits with the reason, before any heavy work."""
+def _leave_process_groups() -> None:
+    """Destroy the process groups before a rank exits early: left to the interpreter's exit, gloo's
+    threads are still joinable when C++ destroys them, and the rank aborts ("terminate called
+    without an active exception", "Fatal Python error: Aborted") after it ended cleanly."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _preflight_under_plain_torchrun(cfg, run_dir: Path, job) -> None:
+    """Under plain torchrun (no launcher holds the run directory or ran the preflight), rank 0 takes
+    the run directory's lock for the life of its process, refuses a fresh start over an earlier run
+    (or clears it with train.overwrite=true) and reads the data sample and the held-out prompts as
+    the launcher's preflight does; every rank exits with the reason, before any heavy work."""
     from dflash_mp.distributed import broadcast_text
+    from dflash_mp.doctor import failed, reading_checks
     from dflash_mp.launch.processes import JOB_ID_ENV
     from dflash_mp.rundir import RunDirBusy, clear_run_dir, fresh_start_problem, lock_run_dir
 
@@ -96,19 +110,22 @@ def _claim_run_dir(cfg, run_dir: Path, job) -> None:
         try:
             lock_run_dir(run_dir)  # held until this process exits: the fd stays open
             problem = fresh_start_problem(run_dir, cfg.train.resume, cfg.train.overwrite) or ""
+            if not problem:
+                bad = failed(reading_checks(cfg))
+                problem = "; ".join(f"{c.name}: {c.message}" for c in bad)
             if not problem and cfg.train.overwrite:
                 removed = clear_run_dir(run_dir)
                 append_job_log(
                     run_dir, f"train.overwrite=true: removed the earlier run's {', '.join(removed)}"
                 )
-        except RunDirBusy as e:
+            if problem:
+                append_job_log(run_dir, f"preflight failed, no training started: {problem}")
+        except RunDirBusy as e:  # the job.log is the other job's
             problem = str(e)
     problem = broadcast_text(problem, src=0, group=job.meta_group)
     if problem:
         print(f"dflash_mp: rank {job.rank}: refused: {problem}", file=sys.stderr, flush=True)
-        import torch.distributed as dist
-
-        dist.destroy_process_group()  # exiting with live gloo groups can abort the interpreter
+        _leave_process_groups()
         sys.exit(EXIT_CONFIG_ERROR)
 
 
@@ -117,7 +134,7 @@ def _run_role(cfg, job, run_dir: Path) -> None:
     from dflash_mp.data import JsonlIndex
     from dflash_mp.distributed import broadcast_int
     from dflash_mp.logs import setup_rank_logging
-    from dflash_mp.metrics import MetricsLogger
+    from dflash_mp.metrics import MetricsLogger, StepTally
     from dflash_mp.resume import data_files_fingerprint, data_layout
     from dflash_mp.roles import (
         load_resume_state,
@@ -170,7 +187,7 @@ def _run_role(cfg, job, run_dir: Path) -> None:
     first_drafter = job.topology.targets
     state = None
     if job.is_first_drafter:
-        start_step, state = resume_step(cfg, run_dir, layout_at)
+        start_step, state = resume_step(cfg, run_dir, layout_at, steps)
     start_step = broadcast_int(start_step if job.is_first_drafter else 0, first_drafter, job.meta_group)
     watchdog.beat("load", start_step)
     dtype, _, compile_layers = resolve_precision(cfg, job.device)
@@ -229,7 +246,10 @@ def _run_role(cfg, job, run_dir: Path) -> None:
             data_layout=layout_at(trainer.step),
         )
 
+    tally = StepTally()  # every drafter alike: they agree on which steps are skipped
+
     def on_step(record: dict) -> None:
+        tally.add(record)
         if metrics is None:
             return
         if evaluator is not None and (record["step"] % cfg.eval.every == 0 or record["step"] == steps):
@@ -256,6 +276,8 @@ def _run_role(cfg, job, run_dir: Path) -> None:
         raise
     if metrics is not None:
         metrics.close()
+    tally.require_training()  # a job that applied no update must not end as done
+    if metrics is not None:
         from dflash_mp.plot import plot_run
 
         plot_run(run_dir)

@@ -33,7 +33,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint.torch, "save", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(checkpoint.CheckpointError, match="OSError: disk full"):
         checkpoint.save(tmp_path, _state(20), keep=3)
     assert checkpoint.latest(tmp_path).name == "step_00000010"
     assert checkpoint.load(checkpoint.latest(tmp_path)).step == 10
@@ -129,3 +129,99 @@ def test_a_deletion_of_an_old_checkpoint_cut_short_is_finished_by_the_next_save(
     assert checkpoint.latest(tmp_path).name == "step_00000020"
     checkpoint.save(tmp_path, _state(30), keep=1)
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000030"]
+
+
+def _resume(run_dir: Path, steps: int, warnings: list[str] | None = None):
+    """The first drafter's resume choice (roles.resume_step) over `run_dir`, warnings collected."""
+    import logging
+
+    from dflash_mp.config import compose_config, to_dataclass
+    from dflash_mp.logs import get_logger
+    from dflash_mp.roles import resume_step
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if warnings is not None and record.getMessage().startswith("skipping"):
+                warnings.append(record.getMessage())
+
+    handler = Collect()
+    get_logger().addHandler(handler)
+    try:
+        cfg = to_dataclass(compose_config(["train.resume=true"]))
+        return resume_step(cfg, run_dir, lambda step: {}, steps)
+    finally:
+        get_logger().removeHandler(handler)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_newest_intact_one_with_a_warning(tmp_path, damage):
+    for step in (10, 20):
+        checkpoint.save(tmp_path / "checkpoints", _state(step), keep=3)
+    weights = tmp_path / "checkpoints" / "step_00000020" / "drafter.safetensors"
+    data = weights.read_bytes()
+    # "flip": same size, other bytes (a header length safetensors refuses); "truncate": cut short.
+    weights.write_bytes(b"\xff" * 8 + data[8:] if damage == "flip" else data[: len(data) // 2])
+    warnings: list[str] = []
+    step, state = _resume(tmp_path, steps=100, warnings=warnings)
+    assert step == 10 and torch.equal(state.model["w"], torch.full((3, 3), 10.0))
+    assert len(warnings) == 1 and str(weights.parent) in warnings[0] and "step_00000010" in warnings[0]
+    assert "drafter.safetensors" in warnings[0]
+
+
+def test_no_intact_checkpoint_fails_naming_every_one(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (10, 20):
+        checkpoint.save(root, _state(step), keep=3)
+    (root / "step_00000010" / "optimizer.pt").write_bytes(b"garbage")
+    (root / "step_00000020" / "meta.json").write_text("{")
+    with pytest.raises(checkpoint.CheckpointError) as failed:
+        _resume(tmp_path, steps=100)
+    message = str(failed.value)
+    assert str(root / "step_00000010") in message and str(root / "step_00000020") in message
+    assert "optimizer.pt has 7 bytes" in message and "meta.json is missing or unreadable" in message
+    assert "train.resume=false" in message
+
+
+def test_a_resume_that_leaves_nothing_to_train_is_refused(tmp_path):
+    from dflash_mp.resume import ResumeRefused
+
+    checkpoint.save(tmp_path / "checkpoints", _state(300), keep=3)
+    with pytest.raises(ResumeRefused, match=r"at step 300 and this job ends at step 30 .*train.max_steps"):
+        _resume(tmp_path, steps=30)
+
+
+def test_a_failed_write_names_the_cause_keeps_the_last_checkpoint_and_leaves_no_temporary(tmp_path):
+    import resource
+    import signal
+
+    root = tmp_path / "checkpoints"
+    checkpoint.save(root, _state(10), keep=3)
+    big = _state(20)
+    big.optimizer = {"state": {0: {"exp_avg": torch.zeros(200_000)}}, "param_groups": []}
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    xfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, hard))
+    try:
+        with pytest.raises(checkpoint.CheckpointError) as failed:
+            checkpoint.save(root, big, keep=3)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, xfsz)
+    message = str(failed.value)
+    assert "step 20" in message and str(root) in message
+    assert "file-size limit (ulimit -f: 400000 bytes)" in message
+    assert "the newest is still step_00000010" in message
+    assert [p.name for p in root.iterdir()] == ["step_00000010"]
+
+
+def test_checkpoint_files_are_as_readable_as_their_directory(tmp_path):
+    root = tmp_path / "checkpoints"
+    root.mkdir(mode=0o755)
+    root.chmod(0o755)
+    path = checkpoint.save(root, _state(10), keep=3)
+    assert {p.name: p.stat().st_mode & 0o777 for p in path.iterdir()} == {
+        "drafter.safetensors": 0o644,
+        "optimizer.pt": 0o644,
+        "meta.json": 0o644,
+    }
+    assert path.stat().st_mode & 0o777 == 0o755

@@ -114,3 +114,14 @@ def test_config_names_bad_data_fields(tmp_path: Path) -> None:
     message = str(caught.value)
     assert "data.on_too_long='cut'" in message and "data.max_bad_fraction=1.5" in message
     assert "missing.jinja" in message and "chat_template_kwargs" not in message
+
+
+def test_doctor_refuses_an_eval_that_cannot_fit_the_targets_context(tmp_path: Path) -> None:
+    base = ["train.device=cpu", "eval.every=5"]
+    checks = doctor.preflight(compose_config([*base, "eval.max_new_tokens=500"]), tmp_path / "run")
+    failed = {c.name: c.message for c in doctor.failed(checks)}
+    assert set(failed) == {"eval"}, failed
+    assert "eval.max_new_tokens=500" in failed["eval"] and "max_position_embeddings=512" in failed["eval"]
+    assert "eval.jsonl:" in failed["eval"] and "set eval.max_new_tokens<=" in failed["eval"]
+    fits = doctor.preflight(compose_config([*base, "eval.max_new_tokens=64"]), tmp_path / "run")
+    assert not doctor.failed(fits) and any(c.name == "eval" for c in fits)

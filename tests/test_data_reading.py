@@ -150,3 +150,15 @@ def test_too_long_counts_reach_the_step_metrics() -> None:
     assert expected > 0
     assert [r["too_long_records"] for r in records] != [0, 0]
     assert sum(r["too_long_records"] for r in records) == expected
+
+
+def test_a_small_data_set_without_a_usable_record_stops_the_reader(tokenizer: Any, tmp_path: Path) -> None:
+    path = tmp_path / "x.parquet"  # not JSONL at all: every "line" is a bad record
+    path.write_bytes(bytes(range(256)) * 8)
+    reader = reader_for([path], tokenizer, size=8, max_bad_fraction=0.05)
+    records = len(reader.index)
+    assert records < MIN_RECORDS_TO_JUDGE
+    with pytest.raises(DataError, match=r"above data.max_bad_fraction=0.05"):
+        for m in range(2 * records):
+            reader.read(m)
+    assert reader.records_read < records + 8  # judged once it read as many as the data holds

@@ -200,6 +200,21 @@ def test_a_stop_signal_checkpoints_and_the_resumed_job_ends_with_the_uninterrupt
         assert torch.equal(resumed[name], expected[name]), name
 
 
+@pytest.mark.slow
+def test_preempted_ranks_leave_their_process_groups_without_aborting(launch):
+    """1 target, 2 drafters: the drafters wait on headers when the stop comes, with receives still
+    posted. Every rank ends by itself, with no abort from gloo's threads in the job log."""
+    job = launch("preempted-1t2d", "topology.targets=1", "topology.drafters=2", "train.max_steps=400")
+    job.wait_for_step(3)
+    os.killpg(job.proc.pid, signal.SIGUSR2)
+    assert job.wait(timeout=120) == EXIT_PREEMPTED
+    job.assert_nothing_left()
+    log = (job.run_dir / "logs" / "job.log").read_text()
+    for abort in ("terminate called", "Fatal Python error", "Aborted"):
+        assert abort not in log, log[-3000:]
+    assert all(beat["exited"] for beat in read_heartbeats(job.run_dir).values())
+
+
 def _phase(run_dir: Path, rank: int) -> str | None:
     beat = read_heartbeats(run_dir).get(rank)
     return beat["phase"] if beat else None

@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -354,6 +355,32 @@ def test_a_fresh_start_in_a_used_run_dir_is_refused_before_any_worker_works(tmp_
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000002"]
     log = (run / "logs" / "job.log").read_text()
     assert "holds an earlier run" in log and "train.overwrite=true: removed the earlier run's" in log
+
+
+def test_data_without_a_usable_record_is_refused_under_plain_torchrun_too(tmp_path):
+    """No launcher ran the preflight: rank 0 reads the data sample itself, every rank exits with
+    the reason before loading a model, and nothing is trained or reported as done."""
+    data = tmp_path / "x.parquet"  # a binary file: every "line" is a bad record
+    data.write_bytes(os.urandom(4000))
+    run = tmp_path / "binary"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        + ["-m", "dflash_mp.train", "topology.targets=1", "topology.drafters=1", "train.max_steps=5"]
+        + [f"data.train_files=[{data}]", f"run_dir={run}", *FAST],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "exitcode  : 2" in output, output[-3000:]
+    # Every rank exits with the reason (torchrun may end the slower one before it prints).
+    assert re.search(r"dflash_mp: rank \d: refused: data: (\d+) of \1 sampled records \(100.0%\)", output)
+    assert f"{data}:1: " in output and "data.max_bad_fraction" in output
+    log = (run / "logs" / "job.log").read_text()
+    assert "preflight failed, no training started: data:" in log and "finished" not in log
+    assert not (run / "metrics.jsonl").exists() and not (run / "heartbeats").exists()
 
 
 def test_a_second_job_on_a_run_dir_is_refused_at_once_naming_the_holder(tmp_path):

@@ -207,10 +207,13 @@ class MicroBatchReader:
             self.logger.warning(message, problem)
 
     def _check_bad_fraction(self) -> None:
+        # A data set smaller than MIN_RECORDS_TO_JUDGE: a rank's share of it says little about the
+        # fraction (the preflight judged the whole of it), but once the rank has read as many records
+        # as the data holds and none was usable, training would learn nothing.
+        hopeless = self.records_read >= len(self.index) and self.bad_records == self.records_read
         if (
-            self.records_read < MIN_RECORDS_TO_JUDGE
-            or self.bad_records <= self.max_bad_fraction * self.records_read
-        ):
+            self.records_read < MIN_RECORDS_TO_JUDGE and not hopeless
+        ) or self.bad_records <= self.max_bad_fraction * self.records_read:
             return
         raise DataError(
             f"{self.bad_records} of the {self.records_read} records this rank read are bad "
