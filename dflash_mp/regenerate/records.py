@@ -296,7 +296,7 @@ class RecordJob:
         work_dir: str | Path | None = None,
         limit: int | None = None,
     ) -> None:
-        from dflash_mp.data import DataError, JsonlIndex
+        from dflash_mp.data import DataError, open_records
 
         if not 0 <= rank < world_size:
             raise RegenerateError(f"--rank {rank} must be in [0, --world-size {world_size})")
@@ -306,7 +306,7 @@ class RecordJob:
             Path(work_dir) if work_dir is not None else self.output.with_name(self.output.name + ".parts")
         )
         try:
-            self.index = JsonlIndex(list(inputs))
+            self.index = open_records(list(inputs))
         except DataError as e:
             raise RegenerateError(str(e)) from None
         self.num_records = len(self.index) if limit is None else min(limit, len(self.index))
