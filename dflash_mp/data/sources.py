@@ -206,9 +206,10 @@ def parquet_as_arrow(spec: str) -> Path:
             return final
         fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", dir=final.parent)
         try:
-            parquet = pq.ParquetFile(spec)
+            # Page by page, one thread: memory stays near a batch, whatever the row groups' size.
+            parquet = pq.ParquetFile(spec, pre_buffer=False, buffer_size=1 << 20)
             with os.fdopen(fd, "wb") as sink, pa.ipc.new_file(sink, parquet.schema_arrow) as writer:
-                for batch in parquet.iter_batches(batch_size=CONVERT_BATCH_ROWS):
+                for batch in parquet.iter_batches(batch_size=CONVERT_BATCH_ROWS, use_threads=False):
                     writer.write_batch(batch)
             os.chmod(tmp, 0o644)  # a shared cache must be readable by all
             os.replace(tmp, final)
