@@ -62,37 +62,33 @@ def load_prompts(
     `renderer` (a dflash_mp.data.ChatRenderer) applies the run's data.chat_template and its
     kwargs, so prompts are rendered the way training rendered conversations.
     """
-    from dflash_mp.data import ChatRenderer
+    from dflash_mp.data import ChatRenderer, DataError, EmptyData, open_records
 
     renderer = renderer or ChatRenderer(tokenizer)
     if not paths:
         raise EvalError("no prompt files given: pass --prompts FILE.jsonl (or set data.eval_files)")
-    prompts: list[Prompt] = []
-    for path in paths:
-        try:
-            lines = Path(path).read_text(encoding="utf-8").splitlines()
-        except OSError as e:
-            raise EvalError(f"{path}: cannot read the prompt file ({e.strerror})") from None
-        for line_number, line in enumerate(lines, start=1):
-            if limit is not None and len(prompts) >= limit:
-                return prompts
-            if not line.strip():
-                continue
-            source = f"{path}:{line_number}"
-            try:
-                messages = prompt_messages(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise EvalError(f"{source}: malformed JSON ({e.msg} at column {e.colno})") from None
-            except ValueError as e:
-                raise EvalError(f"{source}: {e}") from None
-            text = renderer.apply(messages, generation_prompt=True)
-            input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            prompts.append(Prompt(source=source, input_ids=list(input_ids)))
-    if not prompts:
+    try:
+        records = open_records([str(path) for path in paths])
+    except EmptyData:
         raise EvalError(
             f"no prompts in {', '.join(map(str, paths))}: every file is empty or blank. Give JSONL "
             'files with one {"messages": [{"role": "user", "content": ...}, ...]} record per line.'
-        )
+        ) from None
+    except DataError as e:
+        raise EvalError(f"cannot read the prompts: {e}") from None
+    prompts: list[Prompt] = []
+    for i in range(len(records) if limit is None else min(limit, len(records))):
+        path, line_number, line = records.read(i)
+        source = f"{path}:{line_number}"
+        try:
+            messages = prompt_messages(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise EvalError(f"{source}: malformed JSON ({e.msg} at column {e.colno})") from None
+        except ValueError as e:
+            raise EvalError(f"{source}: {e}") from None
+        text = renderer.apply(messages, generation_prompt=True)
+        input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompts.append(Prompt(source=source, input_ids=list(input_ids)))
     return prompts
 
 

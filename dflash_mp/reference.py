@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from dflash_mp.config import RootConfig
-from dflash_mp.data import JsonlIndex
+from dflash_mp.data import open_records
 from dflash_mp.roles import (
     features_of,
     hidden_states_for_drafter,
@@ -25,7 +25,7 @@ def reference_train(cfg: RootConfig, device: torch.device | str = "cpu", on_step
     """Train as a 1-target + 1-drafter job would; `on_step(record)` sees every step's metrics."""
     device = torch.device(device)
     topology = Topology(targets=1, drafters=1, grad_accum=cfg.train.grad_accum)
-    index = JsonlIndex(list(cfg.data.train_files))
+    index = open_records(list(cfg.data.train_files))
     steps = total_steps(cfg, len(index), topology)
     dtype, _, compile_layers = resolve_precision(cfg, device)
     reader = make_reader(cfg, index)

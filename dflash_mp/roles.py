@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dflash_mp import checkpoint
 from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
-from dflash_mp.data import JsonlIndex, MicroBatch, MicroBatchReader, micro_batches_per_epoch
+from dflash_mp.data import MicroBatch, MicroBatchReader, Records, micro_batches_per_epoch
 from dflash_mp.data.chat import load_renderer
 from dflash_mp.distributed import Job
 from dflash_mp.logs import get_logger
@@ -37,7 +37,7 @@ def total_steps(cfg: RootConfig, num_records: int, topology: Topology) -> int:
     return steps
 
 
-def make_reader(cfg: RootConfig, index: JsonlIndex) -> MicroBatchReader:
+def make_reader(cfg: RootConfig, index: Records) -> MicroBatchReader:
     d = cfg.data
     renderer = load_renderer(
         cfg.model.target_path, cfg.model.trust_remote_code, d.chat_template, d.chat_template_kwargs

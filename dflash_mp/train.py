@@ -131,7 +131,7 @@ def _preflight_under_plain_torchrun(cfg, run_dir: Path, job) -> None:
 
 def _run_role(cfg, job, run_dir: Path) -> None:
     from dflash_mp import checkpoint
-    from dflash_mp.data import JsonlIndex
+    from dflash_mp.data import open_records
     from dflash_mp.distributed import broadcast_int
     from dflash_mp.logs import setup_rank_logging
     from dflash_mp.metrics import MetricsLogger, StepTally
@@ -178,7 +178,7 @@ def _run_role(cfg, job, run_dir: Path) -> None:
             )
     log.info("role %s on %s, run_dir %s", job.role.value, job.device, run_dir)
 
-    index = JsonlIndex(list(cfg.data.train_files))
+    index = open_records(list(cfg.data.train_files))
     steps = total_steps(cfg, len(index), job.topology)
     # Taken once: checkpoints record the data as this job found it.
     layout_at = functools.partial(

@@ -264,15 +264,21 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
             f"data.chat_template_kwargs={d.chat_template_kwargs!r}: must be a mapping, e.g. {{enable_thinking: false}}"
         )
     if not d.train_files:
-        problems.append("data.train_files is empty: give at least one JSONL file")
+        problems.append(
+            "data.train_files is empty: give at least one JSONL, Parquet or Arrow file, a save_to_disk "
+            "directory or hf:org/name"
+        )
+    from dflash_mp.data.sources import input_problem  # the data package imports torch
+
     for i, path in enumerate(list(d.train_files) + list(d.eval_files)):
         key = (
             f"data.train_files[{i}]"
             if i < len(d.train_files)
             else f"data.eval_files[{i - len(d.train_files)}]"
         )
-        if not os.path.isfile(path):
-            problems.append(f"{key}={path!r}: file does not exist")
+        problem = input_problem(str(path))
+        if problem is not None:
+            problems.append(f"{key}={path!r}: {problem}")
 
     target_dir = Path(str(m.target_path))
     if m.arch == "dflash2" and (target_dir / "config.json").is_file():

@@ -47,6 +47,9 @@ def _settings(**changes) -> Settings:
         batch_size=1,
         on_bad_record="fail",
         chat_template_kwargs=THINKING_OFF,
+        # The tiny random target seldom stops by itself: these tests check the answers, cut or not.
+        on_length="keep",
+        min_finished_fraction=0.0,
     )
     return Settings(**{**values, **changes})
 
@@ -202,7 +205,8 @@ def test_a_killed_run_resumes_without_duplicates_or_gaps(
     part = tmp_path / "out.jsonl.parts" / "part-00000.jsonl"
     cmd = [sys.executable, "-m", "dflash_mp.regenerate", "--input", str(data), "--output", str(output)]
     cmd += ["--server", server.url, "--target", str(target), "--concurrency", "1", "--thinking", "off"]
-    cmd += ["--max-length", "128", "--max-new-tokens", str(NEW_TOKENS)]
+    cmd += ["--max-length", "128", "--max-new-tokens", str(NEW_TOKENS), "--on-length", "keep"]
+    cmd += ["--min-finished-fraction", "0"]
     client = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stderr=subprocess.PIPE, text=True)
     while not (part.exists() and part.read_text().count("\n") >= 2):
         assert client.poll() is None, client.stderr.read()
@@ -299,7 +303,10 @@ def test_target_is_required_unless_embedded_is_named(data: Path, tmp_path: Path,
     assert main([*args, "--target", str(tmp_path / "nowhere")]) == 2
     assert "no such directory" in capsys.readouterr().err
     assert (
-        main([*args, "--target", "embedded", "--limit", "1", "--max-length", "128", "--max-new-tokens", "2"])
+        main(
+            [*args, "--target", "embedded", "--limit", "1", "--max-length", "128", "--max-new-tokens", "2"]
+            + ["--on-length", "keep", "--min-finished-fraction", "0"]
+        )
         == 0
     )
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 1

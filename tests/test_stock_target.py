@@ -106,6 +106,7 @@ def _sharegpt_data_with_thinking(target: Path, tmp_path: Path) -> tuple[Path, Pa
     regenerated = tmp_path / "regenerated.jsonl"
     args = ["--input", str(prompts), "--output", str(regenerated), "--target", str(target)]
     args += ["--work-dir", str(tmp_path / "parts"), "--max-length", "256", "--max-new-tokens", "16"]
+    args += ["--on-length", "keep", "--min-finished-fraction", "0"]  # a random target seldom stops
     assert regenerate([*args, "--batch-size", "32"]) == 0
     train = tmp_path / "train_sharegpt.jsonl"
     with open(train, "w") as out:

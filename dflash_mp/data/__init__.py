@@ -3,6 +3,7 @@
 records   one JSONL line -> a conversation or a pre-rendered text (the accepted formats)
 chat      the chat template's rendering and the assistant loss mask
 order     the byte-offset index and the topology-free record order
+sources   JSONL, Parquet, Arrow, save_to_disk directories and hf:org/name, read by record index
 reader    records -> samples -> micro-batches, with bad/truncated counts
 preflight a sample of the data read the way training reads it, before any worker starts
 """
@@ -15,7 +16,7 @@ from dflash_mp.data.chat import (
     tokenize_chat,
     tokenize_spans,
 )
-from dflash_mp.data.errors import BadRecord, DataError
+from dflash_mp.data.errors import BadRecord, DataError, EmptyData
 from dflash_mp.data.order import (
     DataOrder,
     JsonlIndex,
@@ -33,6 +34,7 @@ from dflash_mp.data.reader import (
     parse_record,
 )
 from dflash_mp.data.records import ACCEPTED_FORMATS, Conversation, TextRecord
+from dflash_mp.data.sources import Records, input_problem, open_records
 
 __all__ = [
     "ACCEPTED_FORMATS",
@@ -43,6 +45,7 @@ __all__ = [
     "Conversation",
     "DataError",
     "DataOrder",
+    "EmptyData",
     "JsonlIndex",
     "MicroBatch",
     "MicroBatchReader",
@@ -54,7 +57,10 @@ __all__ = [
     "load_tokenizer",
     "micro_batches_per_epoch",
     "parse_record",
+    "open_records",
+    "input_problem",
     "read_chat_template",
+    "Records",
     "records_of_micro_batch",
     "tokenize_chat",
     "tokenize_spans",

@@ -7,6 +7,10 @@ class DataError(Exception):
     """A data problem the job cannot continue past; the message names file:line where it applies."""
 
 
+class EmptyData(DataError):
+    """The inputs hold no record at all."""
+
+
 class BadRecord(Exception):
     """One record that cannot be used; skipped or fatal depending on data.on_bad_record.
 

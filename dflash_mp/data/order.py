@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_mp.data.errors import DataError
+from dflash_mp.data.errors import DataError, EmptyData
 
 
 class JsonlIndex:
@@ -41,7 +41,7 @@ class JsonlIndex:
             except OSError as e:
                 raise DataError(f"{path}: cannot read data file ({e.strerror})") from e
         if not self._offset:
-            raise DataError(
+            raise EmptyData(
                 f"no records in {', '.join(self.paths) or '(no files given)'}: every file is empty or blank. "
                 'Point data.train_files at JSONL files with one {"messages": [...]} record per line.'
             )

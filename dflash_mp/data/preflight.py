@@ -13,8 +13,8 @@ from typing import Any
 
 from dflash_mp.data.chat import ChatRenderer, load_renderer
 from dflash_mp.data.errors import BadRecord, DataError
-from dflash_mp.data.order import JsonlIndex
 from dflash_mp.data.reader import TooLong, parse_record
+from dflash_mp.data.sources import Records, open_records
 
 SAMPLE_SIZE = 1000
 EXAMPLES_PER_REASON = 3
@@ -89,7 +89,7 @@ def sample_ids(num_records: int, size: int = SAMPLE_SIZE) -> list[int]:
 
 
 def sample_report(
-    index: JsonlIndex, renderer: ChatRenderer, max_length: int, on_too_long: str, size: int = SAMPLE_SIZE
+    index: Records, renderer: ChatRenderer, max_length: int, on_too_long: str, size: int = SAMPLE_SIZE
 ) -> SampleReport:
     report = SampleReport(total_records=len(index), max_length=max_length)
     tokenizer = renderer.tokenizer
@@ -148,7 +148,7 @@ def check_data_sample(cfg: Any) -> tuple[bool, str]:
     """The preflight's data check for a RootConfig: (ok, report and verdict)."""
     d = cfg.data
     try:
-        index = JsonlIndex(list(d.train_files))
+        index = open_records(list(d.train_files))
         renderer = load_renderer(
             cfg.model.target_path, cfg.model.trust_remote_code, d.chat_template, d.chat_template_kwargs
         )

@@ -10,8 +10,9 @@ import torch
 
 from dflash_mp.data.chat import ChatRenderer, tokenize_spans
 from dflash_mp.data.errors import BadRecord, DataError
-from dflash_mp.data.order import DataOrder, JsonlIndex
+from dflash_mp.data.order import DataOrder
 from dflash_mp.data.records import Conversation, RecordError, decode_line, parse_json, to_record
+from dflash_mp.data.sources import Records
 
 ON_TOO_LONG = ("truncate", "skip")
 # A reader judges its running bad fraction only after this many records: a few bad records early
@@ -27,7 +28,7 @@ class TooLong(BadRecord):
 class Sample:
     """One tokenized record."""
 
-    sample_id: int  # global record index in the JsonlIndex (-1 when it has none)
+    sample_id: int  # global record index in the inputs (-1 when it has none)
     input_ids: list[int]
     loss_mask: list[int]
     truncated: bool = False  # cut to data.max_length
@@ -132,7 +133,7 @@ class MicroBatchReader:
 
     def __init__(
         self,
-        index: JsonlIndex,
+        index: Records,
         tokenizer: Any,
         max_length: int,
         on_bad_record: str,

@@ -25,9 +25,18 @@ on|off for enable_thinking) reaches the chat template, locally or as the request
 chat_template_kwargs. The target's reasoning (a server's reasoning_content, or a leading
 <think>...</think> block) is dropped, or kept in the turn's reasoning_content with
 --keep-reasoning. The API key is read from $OPENAI_API_KEY (--api-key-env names another).
-Requests carry temperature, max_tokens and (when sampling) a seed per record and turn; other
-sampling parameters are the server's defaults (vLLM: the model's generation_config), whereas
-the local backend samples from the plain temperature-scaled distribution.
+Requests carry temperature, max_tokens, --top-p/--top-k when given and (when sampling) a seed per
+record and turn; other sampling parameters are the server's defaults (vLLM: the model's
+generation_config), whereas the local backend samples from the temperature-scaled distribution,
+cut by --top-p/--top-k when given.
+
+An answer cut at its token budget (finish_reason "length") has no end of turn, yet training would
+teach one after it: --on-length drop (default) ends the record after its last finished answer
+(a record left without one is dropped), keep writes it anyway, fail stops (exit 2). The summary
+counts truncated_turns, dropped_turns and dropped_records; when fewer than
+--min-finished-fraction (0.5) of all answers finished, OUTPUT is not written (exit 4). Greedy
+decoding with thinking on where the target's generation_config asks for sampling (Qwen3's cards:
+temperature 0.6, top-p 0.95, top-k 20) gets a warning.
 
 Ranks split the records by index (rank r takes records i with i % world == r; --rank and
 --world-size also allow independent jobs, e.g. a Slurm array or one client per server). Each
@@ -36,7 +45,7 @@ the input line: resuming onto a changed input is an error), so a killed job reru
 arguments, at any world size, skips what is written. Whichever rank finds
 every record done merges the parts into OUTPUT in record order (atomically); the parts stay for
 provenance. Exit status: 0 done, 2 bad input or settings, 3 records whose requests failed after
-their retries (a rerun retries them).
+their retries (a rerun retries them), 4 too few answers finished (--min-finished-fraction).
 
 The embedded default's training set, dflash_mp/assets/data/train_regenerated.jsonl, is the
 bundled prompts answered by the tiny target (one process, so the batches and seeds are fixed):
@@ -44,10 +53,11 @@ bundled prompts answered by the tiny target (one process, so the batches and see
     python -m dflash_mp.regenerate --input dflash_mp/assets/data/train.jsonl \\
         --output dflash_mp/assets/data/train_regenerated.jsonl --work-dir /tmp/regen-parts \\
         --target embedded --max-length 128 --max-new-tokens 48 --temperature 0.3 --round-trip-safe \\
-        --batch-size 64
+        --batch-size 64 --on-length keep --min-finished-fraction 0
 
 Low-temperature samples rather than greedy answers: the random target's greedy continuation
-hardly depends on the prompt, so greedy data would be one sequence repeated 2000 times.
+hardly depends on the prompt, so greedy data would be one sequence repeated 2000 times. Its
+answers seldom stop by themselves, so cut ones are kept there; a real target should not need that.
 
 The package's rooms: records.py (records in and out, resume), local.py, served.py (the two
 backends), cli.py, and serve.py (a small OpenAI-compatible server around a local target, for

@@ -25,7 +25,12 @@ def _parser() -> argparse.ArgumentParser:
         description=package.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--input", nargs="+", required=True, help="chat JSONL files whose prompts are kept")
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="chat data whose prompts are kept: JSONL, Parquet or Arrow files, save_to_disk directories, hf:org/name[:split]",
+    )
     parser.add_argument("--output", type=Path, required=True, help="the regenerated JSONL file")
     parser.add_argument(
         "--target",
@@ -39,6 +44,25 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=2048, help="longest response in tokens")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument(
+        "--top-p", type=float, help="nucleus sampling, e.g. 0.95 (default: the server's; locally none)"
+    )
+    parser.add_argument(
+        "--top-k", type=int, help="top-k sampling, e.g. 20 (default: the server's; locally none)"
+    )
+    parser.add_argument(
+        "--on-length",
+        default="drop",
+        choices=("drop", "keep", "fail"),
+        help="an answer cut at its token budget, without its end of turn: drop it (the record ends "
+        "after its last finished answer; default), keep it, or stop (exit 2)",
+    )
+    parser.add_argument(
+        "--min-finished-fraction",
+        type=float,
+        default=0.5,
+        help="below this fraction of answers that ended by themselves, OUTPUT is not written (exit 4)",
+    )
     parser.add_argument(
         "--chat-template-kwargs",
         default="{}",
@@ -134,6 +158,14 @@ def _target(name: str | None, required: bool) -> Path | None:
     return Path(name)
 
 
+def _warn_greedy_thinking(settings: Settings, target: Path | None) -> None:
+    from dflash_mp.regenerate.finish import thinking_sampling_warning
+
+    warning = thinking_sampling_warning(settings, target)
+    if warning is not None:
+        log.warning(warning)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
     """The regeneration the options ask for; RegenerateError or RecordsFailed on failure."""
     from dflash_mp.regenerate.local import regenerate
@@ -149,10 +181,17 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         round_trip_safe=args.round_trip_safe,
         chat_template_kwargs=_template_kwargs(args),
         keep_reasoning=args.keep_reasoning,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        on_length=args.on_length,
+        min_finished_fraction=args.min_finished_fraction,
     )
+    if settings.temperature == 0 and (settings.top_p is not None or settings.top_k is not None):
+        log.warning("--top-p and --top-k have no effect at --temperature 0 (greedy)")
     common = dict(rank=args.rank, world_size=args.world_size, work_dir=args.work_dir, limit=args.limit)
     if args.server is None:
         target = _target(args.target, required=True)
+        _warn_greedy_thinking(settings, target)
         return regenerate(
             args.input,
             args.output,
@@ -173,12 +212,14 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         api_key_env=args.api_key_env,
         on_failed_request=args.on_failed_request,
     )
+    tokenizer_path = _target(args.target, required=False)
+    _warn_greedy_thinking(settings, tokenizer_path)
     return regenerate_served(
         args.input,
         args.output,
         server,
         settings,
-        tokenizer_path=_target(args.target, required=False),
+        tokenizer_path=tokenizer_path,
         trust_remote_code=args.trust_remote_code,
         **common,
     )
@@ -186,12 +227,16 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from dflash_mp.data import DataError
+    from dflash_mp.regenerate.finish import TOO_FEW_FINISHED_EXIT_CODE, TooFewFinished
     from dflash_mp.regenerate.served import FAILED_EXIT_CODE, RecordsFailed
 
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {args.rank}] %(message)s")
     try:
         summary = run(args)
+    except TooFewFinished as e:
+        print(f"dflash_mp.regenerate: {e}", file=sys.stderr)
+        return TOO_FEW_FINISHED_EXIT_CODE
     except (RegenerateError, DataError) as e:
         print(f"dflash_mp.regenerate: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from dflash_mp.regenerate.finish import take_answer
 from dflash_mp.regenerate.records import (
     Conversation,
     RecordJob,
@@ -95,8 +96,8 @@ def _generate(
         max_new_tokens=max(budgets),
         do_sample=sampling,
         temperature=settings.temperature if sampling else None,
-        top_k=0 if sampling else None,
-        top_p=1.0 if sampling else None,
+        top_k=(settings.top_k or 0) if sampling else None,
+        top_p=(settings.top_p or 1.0) if sampling else None,
         eos_token_id=stops,
         pad_token_id=pad,
         logits_processor=[round_trip] if round_trip is not None else None,
@@ -141,7 +142,7 @@ def regenerate_batch(
             same = tokenizer(text, add_special_tokens=False)["input_ids"] == content_ids
             content, reasoning = split_reasoning(text)
             kept = reasoning if settings.keep_reasoning else None
-            conversation.answer(content, len(new_tokens), finished, same, kept)
+            take_answer(conversation, settings, content, len(new_tokens), finished, same, kept)
         active = asking
 
 

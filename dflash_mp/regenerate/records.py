@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import tempfile
-from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,11 @@ class Settings:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # Store the target's reasoning in the assistant turn's reasoning_content (else drop it).
     keep_reasoning: bool = False
+    top_p: float | None = None  # None: the server's default; locally no nucleus cut
+    top_k: int | None = None  # None: the server's default; locally no top-k cut
+    on_length: str = "drop"  # an answer cut at its token budget: drop, keep or fail (finish.py)
+    # Below this fraction of responses that ended by themselves, OUTPUT is not written.
+    min_finished_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         problems = [
@@ -54,6 +58,14 @@ class Settings:
             )
             if not value >= low
         ]
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            problems.append(f"--top-p={self.top_p!r}: must be in (0, 1], e.g. 0.95")
+        if self.top_k is not None and not self.top_k >= 1:
+            problems.append(f"--top-k={self.top_k!r}: must be >= 1, e.g. 20")
+        if self.on_length not in ("drop", "keep", "fail"):
+            problems.append(f"--on-length={self.on_length!r}: must be drop, keep or fail")
+        if not 0 <= self.min_finished_fraction <= 1:
+            problems.append(f"--min-finished-fraction={self.min_finished_fraction!r}: must be in [0, 1]")
         if self.on_bad_record not in ("fail", "skip"):
             problems.append(f"--on-bad-record={self.on_bad_record!r}: must be 'fail' or 'skip'")
         if not isinstance(self.chat_template_kwargs, dict):
@@ -75,6 +87,7 @@ class Conversation:
     # Per turn: the text re-tokenizes to the same ids (None where the ids are unknown: a server).
     same_tokens: list[bool | None] = field(default_factory=list)
     problem: str | None = None  # why the record cannot be regenerated
+    dropped_turns: int = 0  # answers cut at their token budget and left out (--on-length drop)
 
     def next_prompt(self) -> list[dict[str, str]] | None:
         """The conversation to answer next (roles and contents only), or None when the record is complete.
@@ -241,19 +254,28 @@ def append_entries(part: IO[str], entries: Sequence[dict[str, Any]]) -> None:
 
 
 def merge(
-    work_dir: Path, output: Path, num_records: int, left_out: Collection[int] = ()
+    work_dir: Path,
+    output: Path,
+    num_records: int,
+    left_out: Collection[int] = (),
+    min_finished_fraction: float = 0.0,
 ) -> dict[str, Any] | None:
     """Write OUTPUT from the parts if every record is done or `left_out` (None otherwise); returns
-    the summary.
+    the summary. Raises TooFewFinished, writing nothing, when fewer responses than
+    `min_finished_fraction` ended by themselves.
 
     Every merger writes the same bytes through its own temporary file and an atomic rename, so
     two ranks finishing at once cannot leave a mixed file.
     """
+    from dflash_mp.regenerate.finish import check_finished, summarize
+
     results = read_parts(work_dir)
     if any(i not in results and i not in left_out for i in range(num_records)):
         return None
     entries = [results[i] for i in range(num_records) if i in results]
     kept = [e for e in entries if "messages" in e]
+    summary = summarize(entries)
+    check_finished(summary, min_finished_fraction, output)
     output.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent)
     os.chmod(tmp, 0o644)  # mkstemp's 0600 would make a shared data set private
@@ -262,17 +284,6 @@ def merge(
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, output)
-    turns = [n for e in kept for n in e["response_tokens"]]
-    counted = [n for n in turns if n is not None]
-    checked = [s for e in kept for s in e["same_tokens"] if s is not None]
-    summary = {
-        "records": len(kept),
-        "skipped": dict(Counter(e["skipped"] for e in entries if "skipped" in e)),
-        "turns": len(turns),
-        "mean_response_tokens": sum(counted) / max(len(counted), 1),
-        "finished_fraction": sum(f for e in kept for f in e["finished"]) / max(len(turns), 1),
-        "same_tokens_fraction": sum(checked) / len(checked) if checked else None,
-    }
     if left_out:
         summary["failed"] = len(left_out)
     return summary
@@ -296,7 +307,7 @@ class RecordJob:
         work_dir: str | Path | None = None,
         limit: int | None = None,
     ) -> None:
-        from dflash_mp.data import DataError, JsonlIndex
+        from dflash_mp.data import DataError, open_records
 
         if not 0 <= rank < world_size:
             raise RegenerateError(f"--rank {rank} must be in [0, --world-size {world_size})")
@@ -306,7 +317,7 @@ class RecordJob:
             Path(work_dir) if work_dir is not None else self.output.with_name(self.output.name + ".parts")
         )
         try:
-            self.index = JsonlIndex(list(inputs))
+            self.index = open_records(list(inputs))
         except DataError as e:
             raise RegenerateError(str(e)) from None
         self.num_records = len(self.index) if limit is None else min(limit, len(self.index))
@@ -352,6 +363,9 @@ class RecordJob:
 
         from dflash_mp.data import tokenize_chat
 
+        if conversation.dropped_turns and not conversation.response_tokens:  # nothing left to keep
+            entry = {"index": conversation.index, "input_sha256": self._digests.pop(conversation.index)}
+            return {**entry, "dropped_turns": conversation.dropped_turns}
         if conversation.problem is None and tokenizer is not None:
             try:
                 tokenize_chat(tokenizer, conversation.done, self.settings.max_length)
@@ -366,6 +380,7 @@ class RecordJob:
             "response_tokens": conversation.response_tokens,
             "finished": conversation.finished,
             "same_tokens": conversation.same_tokens,
+            "dropped_turns": conversation.dropped_turns,
         }
 
     def bad(self, index: int, source: str, reason: str) -> dict[str, Any]:
@@ -378,4 +393,6 @@ class RecordJob:
         return open_part(part_path(self.work_dir, self.rank))
 
     def merge(self, left_out: Collection[int] = ()) -> dict[str, Any] | None:
-        return merge(self.work_dir, self.output, self.num_records, left_out)
+        return merge(
+            self.work_dir, self.output, self.num_records, left_out, self.settings.min_finished_fraction
+        )

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from dflash_mp.regenerate.finish import take_answer
 from dflash_mp.regenerate.records import (
     Conversation,
     RecordJob,
@@ -259,6 +260,9 @@ class _RecordAnswerer:
                 body["seed"] = stable_seed(
                     settings.seed, conversation.index, len(conversation.response_tokens)
                 )
+            for name in ("top_p", "top_k"):  # None: the server's default (vLLM: generation_config)
+                if getattr(settings, name) is not None:
+                    body[name] = getattr(settings, name)
             if settings.chat_template_kwargs:
                 body["chat_template_kwargs"] = settings.chat_template_kwargs
             try:
@@ -271,7 +275,7 @@ class _RecordAnswerer:
             content, reasoning = split_reasoning(reply.content, reply.reasoning)
             finished = reply.finish_reason == "stop"
             kept = reasoning if settings.keep_reasoning else None
-            conversation.answer(content, reply.completion_tokens, finished, None, kept)
+            take_answer(conversation, settings, content, reply.completion_tokens, finished, None, kept)
         return None
 
 
