@@ -22,12 +22,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
+from dflash_mp import export_modeling
 from dflash_mp.checkpoint import fsync_path
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import ARCHITECTURES
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# The self-contained modelling file that `AutoModel.from_pretrained(..., trust_remote_code=True)` runs.
+MODELING_NAME = "modeling_dflash.py"
 
 
 # Files readable by every user (a shared model directory), as the directory itself.
@@ -44,6 +47,7 @@ def _config_json(drafter: DFlashDrafter, dtype: torch.dtype) -> str:
     """
     config = drafter.config.to_dict()
     config["architectures"] = [ARCHITECTURES[drafter.arch]]
+    config["auto_map"] = {"AutoModel": f"{Path(MODELING_NAME).stem}.{ARCHITECTURES[drafter.arch]}"}
     for key, value in config["dflash_config"].items():
         config[key] = value
     rope = dict(config.get("rope_parameters") or {})
@@ -77,7 +81,8 @@ def export_drafter(
     try:
         (staging / CONFIG_NAME).write_text(_config_json(drafter, saved_dtype))
         save_file(state, staging / WEIGHTS_NAME, metadata={"format": "pt"})
-        for path in (staging / CONFIG_NAME, staging / WEIGHTS_NAME):
+        shutil.copyfile(export_modeling.__file__, staging / MODELING_NAME)
+        for path in (staging / CONFIG_NAME, staging / WEIGHTS_NAME, staging / MODELING_NAME):
             path.chmod(FILE_MODE)
             fsync_path(path)
         staging.chmod(DIR_MODE)  # mkdtemp made it private
