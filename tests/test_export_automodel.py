@@ -118,3 +118,34 @@ def test_config_carries_what_the_engines_key_on(tmp_path: Path) -> None:
         if line.startswith(("import ", "from ")) and not line.startswith("from __future__")
     }
     assert imported == {"torch", "transformers"}
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2-sliding-scaled"])
+def test_automodel_with_a_kv_cache_matches_the_reference(tmp_path: Path, variant: str) -> None:
+    """Decoding keeps the context's K/V in a cache across blocks (the reference's loop: draft a
+    block, crop the cache back to the block start, feed the accepted tokens' features next)."""
+    out, architecture = _export(tmp_path, variant)
+    ours = AutoModel.from_pretrained(out, trust_remote_code=True, local_files_only=True, dtype=torch.float32)
+    theirs = getattr(reference, architecture).from_pretrained(out, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(4)
+    features = torch.randn(1, 12, 2 * HIDDEN, generator=generator)
+    blocks = torch.randn(2, 1, BLOCK, HIDDEN, generator=generator)
+    outputs = []
+    for model in (ours.eval(), theirs.eval()):
+        cache, steps = reference._make_cache(model.config), []
+        with torch.no_grad():
+            # Block one at positions 9..12 over context 0..8; block two at 11..14 once 9..10 are accepted.
+            for (start, end), block in zip(((0, 9), (9, 11)), blocks, strict=True):
+                steps.append(
+                    model(
+                        target_hidden=features[:, start:end],
+                        noise_embedding=block,
+                        position_ids=torch.arange(start, end + BLOCK)[None],
+                        past_key_values=cache,
+                        use_cache=True,
+                    )
+                )
+                reference._crop_to(cache, end)
+        outputs.append(steps)
+    for got, expected in zip(*outputs, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
