@@ -1,4 +1,5 @@
-"""HF-format drafter export (`config.json` + `model.safetensors`) that the reference `dflash` loads.
+"""HF-format drafter export (`config.json`, `model.safetensors`, `modeling_dflash.py`) that the
+reference `dflash`, `AutoModel(..., trust_remote_code=True)`, SGLang and vLLM load (README: Serve it).
 
     python -m dflash_mp.export RUN_DIR [--step N] [--out DIR] [--dtype bfloat16|float32]
 
@@ -156,6 +157,18 @@ def drafter_from_checkpoint(
     return drafter
 
 
+def vllm_path_note(out_dir: str | Path) -> str | None:
+    """A note for an export whose path lacks "dflash": vLLM 0.33 infers the DFlash method from the
+    draft model's path alone (`SpeculativeConfig.__post_init__`) and would otherwise load it as an
+    independent draft model."""
+    if "dflash" in str(out_dir).lower():
+        return None
+    return (
+        f"note: vLLM detects a DFlash drafter by 'dflash' in its path, which {out_dir} lacks: pass "
+        '"method": "dflash" in --speculative-config, or export to a path that contains it (README: Serve it)'
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -175,7 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dflash_mp.export: {e}", file=sys.stderr)
         return 2
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    print(export_drafter(drafter, args.out or args.run_dir / "export", dtype=dtype))
+    out_dir = export_drafter(drafter, args.out or args.run_dir / "export", dtype=dtype)
+    print(out_dir)
+    if note := vllm_path_note(out_dir):
+        print(note, file=sys.stderr)
     return 0
 
 

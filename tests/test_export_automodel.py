@@ -12,7 +12,7 @@ import torch
 from dflash import model as reference
 from transformers import AutoConfig, AutoModel, Qwen3Config
 
-from dflash_mp.export import MODELING_NAME, export_drafter
+from dflash_mp.export import MODELING_NAME, export_drafter, vllm_path_note
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import build_drafter_config
 
@@ -149,3 +149,10 @@ def test_automodel_with_a_kv_cache_matches_the_reference(tmp_path: Path, variant
         outputs.append(steps)
     for got, expected in zip(*outputs, strict=True):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_path_without_dflash_gets_the_vllm_note() -> None:
+    assert vllm_path_note("/models/Qwen3-8B-DFlash") is None
+    assert vllm_path_note("runs/dflash-x/export") is None
+    note = vllm_path_note("runs/x/export")
+    assert note is not None and '"method": "dflash"' in note and "runs/x/export" in note
