@@ -1,4 +1,5 @@
-"""HF-format drafter export (`config.json` + `model.safetensors`) that the reference `dflash` loads.
+"""HF-format drafter export (`config.json`, `model.safetensors`, `modeling_dflash.py`) that the
+reference `dflash`, `AutoModel(..., trust_remote_code=True)`, SGLang and vLLM load (README: Serve it).
 
     python -m dflash_mp.export RUN_DIR [--step N] [--out DIR] [--dtype bfloat16|float32]
 
@@ -22,12 +23,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
+from dflash_mp import export_modeling
 from dflash_mp.checkpoint import fsync_path
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import ARCHITECTURES
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# The self-contained modelling file that `AutoModel.from_pretrained(..., trust_remote_code=True)` runs.
+MODELING_NAME = "modeling_dflash.py"
 
 
 # Files readable by every user (a shared model directory), as the directory itself.
@@ -44,6 +48,7 @@ def _config_json(drafter: DFlashDrafter, dtype: torch.dtype) -> str:
     """
     config = drafter.config.to_dict()
     config["architectures"] = [ARCHITECTURES[drafter.arch]]
+    config["auto_map"] = {"AutoModel": f"{Path(MODELING_NAME).stem}.{ARCHITECTURES[drafter.arch]}"}
     for key, value in config["dflash_config"].items():
         config[key] = value
     rope = dict(config.get("rope_parameters") or {})
@@ -77,7 +82,8 @@ def export_drafter(
     try:
         (staging / CONFIG_NAME).write_text(_config_json(drafter, saved_dtype))
         save_file(state, staging / WEIGHTS_NAME, metadata={"format": "pt"})
-        for path in (staging / CONFIG_NAME, staging / WEIGHTS_NAME):
+        shutil.copyfile(export_modeling.__file__, staging / MODELING_NAME)
+        for path in (staging / CONFIG_NAME, staging / WEIGHTS_NAME, staging / MODELING_NAME):
             path.chmod(FILE_MODE)
             fsync_path(path)
         staging.chmod(DIR_MODE)  # mkdtemp made it private
@@ -151,6 +157,18 @@ def drafter_from_checkpoint(
     return drafter
 
 
+def vllm_path_note(out_dir: str | Path) -> str | None:
+    """A note for an export whose path lacks "dflash": vLLM 0.33 infers the DFlash method from the
+    draft model's path alone (`SpeculativeConfig.__post_init__`) and would otherwise load it as an
+    independent draft model."""
+    if "dflash" in str(out_dir).lower():
+        return None
+    return (
+        f"note: vLLM detects a DFlash drafter by 'dflash' in its path, which {out_dir} lacks: pass "
+        '"method": "dflash" in --speculative-config, or export to a path that contains it (README: Serve it)'
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -170,7 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dflash_mp.export: {e}", file=sys.stderr)
         return 2
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    print(export_drafter(drafter, args.out or args.run_dir / "export", dtype=dtype))
+    out_dir = export_drafter(drafter, args.out or args.run_dir / "export", dtype=dtype)
+    print(out_dir)
+    if note := vllm_path_note(out_dir):
+        print(note, file=sys.stderr)
     return 0
 
 

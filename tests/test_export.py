@@ -49,7 +49,11 @@ def test_same_seed_same_weights() -> None:
 def test_round_trip_is_bitwise(tmp_path: Path, dtype: torch.dtype | None) -> None:
     drafter = _drafter(0)
     out_dir = export_drafter(drafter, tmp_path / "export", dtype=dtype)
-    assert sorted(p.name for p in out_dir.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out_dir.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "modeling_dflash.py",
+    ]
     config = json.loads((out_dir / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["num_target_layers"] == TARGET.num_hidden_layers
@@ -111,4 +115,4 @@ def test_export_is_readable_by_other_users_whatever_the_umask(tmp_path: Path) ->
     finally:
         os.umask(previous)
     assert out_dir.stat().st_mode & 0o777 == 0o755
-    assert sorted(p.stat().st_mode & 0o777 for p in out_dir.iterdir()) == [0o644, 0o644]
+    assert sorted(p.stat().st_mode & 0o777 for p in out_dir.iterdir()) == [0o644] * 3
