@@ -136,3 +136,26 @@ def test_describe_kernels_names_the_missing_extra(monkeypatch: pytest.MonkeyPatc
     assert target_kernels.describe_kernels(_gpt_oss(), on_gpu=True)["attention"].startswith("flex")
     assert target_kernels.describe_kernels(_qwen3_moe(), on_gpu=True)["experts"] == "grouped_mm"
     assert "linear_attention" not in target_kernels.describe_kernels(_qwen3_moe(), on_gpu=True)
+
+
+def test_doctor_names_the_kernels_and_the_missing_extra(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dflash_mp.doctor import check_target_kernels
+
+    hybrid, sinks = tmp_path / "hybrid", tmp_path / "sinks"
+    _qwen3_5().save_pretrained(hybrid)
+    _gpt_oss().save_pretrained(sinks)
+    real_find_spec = target_kernels.importlib.util.find_spec
+    monkeypatch.setattr(
+        target_kernels.importlib.util, "find_spec", lambda name: None if name == "fla" else real_find_spec(name)
+    )
+    check = check_target_kernels(str(hybrid), on_gpu=True)
+    assert check.ok and check.message.startswith("warning: ")
+    assert "linear_attention: torch fallback" in check.message and "111 ms" in check.message
+    monkeypatch.setattr(target_kernels.importlib.util, "find_spec", lambda name: object())
+    assert "fla Triton kernels" in check_target_kernels(str(hybrid), on_gpu=True).message
+    check = check_target_kernels(str(sinks), on_gpu=True)
+    assert check.ok and not check.message.startswith("warning")
+    assert "attention: flex_attention with sinks" in check.message and "experts: grouped_mm" in check.message
+    assert check_target_kernels(str(tmp_path / "absent"), on_gpu=True).message.startswith("warning: cannot read")
