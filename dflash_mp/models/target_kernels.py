@@ -139,12 +139,13 @@ _compiled_flex = None
 
 
 def _flex(device: torch.device):
-    """flex_attention compiled (its fused kernel) on GPU; as is (a reference path) on CPU."""
+    """flex_attention compiled (its fused kernel) on GPU; as is (a reference path) on CPU, where
+    inductor cannot return the lse: a compiled CPU layer runs it outside its graph."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":
-        return flex_attention
+        return torch.compiler.disable(flex_attention)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex
