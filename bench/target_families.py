@@ -79,18 +79,26 @@ def timed(forward, device: torch.device, warmup: int, iters: int) -> dict:
         marks.mark()
     bl.sync(device)
     times = marks.intervals()
-    result = {"first_call_s": first_s, "ms": sum(times) / len(times) * 1e3, "forward_time": bl.distribution(times)}
+    result = {
+        "first_call_s": first_s,
+        "ms": sum(times) / len(times) * 1e3,
+        "forward_time": bl.distribution(times),
+    }
     if device.type == "cuda":
         result["peak_allocated_gb"] = torch.cuda.max_memory_allocated(device) / bl.GB
     return result, out
 
 
-def measure(shape: FamilyShape, device: torch.device, dtype: torch.dtype, args, peak_flops: float | None) -> dict:
+def measure(
+    shape: FamilyShape, device: torch.device, dtype: torch.dtype, args, peak_flops: float | None
+) -> dict:
     config = shape.config()
     extractor = TargetFeatureExtractor.build_random(config, shape.layer_ids, dtype, device, seed=args.seed)
     decoder = extractor.decoder
     s = shape.seq_len
-    ids = torch.randint(0, config.vocab_size, (1, s), generator=torch.Generator().manual_seed(args.seed)).to(device)
+    ids = torch.randint(0, config.vocab_size, (1, s), generator=torch.Generator().manual_seed(args.seed)).to(
+        device
+    )
     total, active = active_params(decoder.layers, config)
     linear_flops = 2 * active * s
     result: dict = {
@@ -133,7 +141,9 @@ def measure(shape: FamilyShape, device: torch.device, dtype: torch.dtype, args, 
     variants["target_stage"], compiled = timed(lambda: extractor(ids), device, args.warmup, args.iters)
     scale = reference.float().abs().max().item()
     for name, out in (("kernels", features), ("target_stage", compiled)):
-        variants[name]["max_abs_diff_vs_hf"] = (as_hf_returns(out).float() - reference.float()).abs().max().item()
+        variants[name]["max_abs_diff_vs_hf"] = (
+            (as_hf_returns(out).float() - reference.float()).abs().max().item()
+        )
         variants[name]["hf_max_abs"] = scale
     for v in variants.values():
         v["tflops"] = linear_flops / v["ms"] / 1e9
@@ -150,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="calls after the first (compiling) one")
     p.add_argument("--iters", type=int, default=5, help="measured forwards per variant")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-budget", type=float, default=450.0, help="start no shape after this many s (0: none)")
+    p.add_argument(
+        "--time-budget", type=float, default=450.0, help="start no shape after this many s (0: none)"
+    )
     args = p.parse_args(argv)
     names = [n.strip() for n in args.shapes.split(",") if n.strip()]
     unknown = sorted(set(names) - set(FAMILY_SHAPES))
@@ -180,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"[families {elapsed:6.1f}s] {name}: start", flush=True)
         try:
-            result = {"status": "ok", **measure(FAMILY_SHAPES[name], device, dtype, args, peak["tflops"] * 1e12)}
+            result = {
+                "status": "ok",
+                **measure(FAMILY_SHAPES[name], device, dtype, args, peak["tflops"] * 1e12),
+            }
         except Exception as e:
             traceback.print_exc()
             result, failed = {"status": "error", "error": f"{type(e).__name__}: {e}"}, True
@@ -201,10 +216,13 @@ def _line(result: dict) -> str:
     if result["status"] != "ok":
         return result["status"] + ": " + result.get("error", "")
     v = result["variants"]
-    return ", ".join(
-        f"{k} {v[k]['ms']:.1f} ms (MFU {v[k]['mfu'] or 0:.2f}, peak {v[k].get('peak_allocated_gb', 0):.1f} GB)"
-        for k in v
-    ) + f"; x{result['speedup_vs_hf']:.2f} vs hf; first compiled call {v['target_stage']['first_call_s']:.1f}s"
+    return (
+        ", ".join(
+            f"{k} {v[k]['ms']:.1f} ms (MFU {v[k]['mfu'] or 0:.2f}, peak {v[k].get('peak_allocated_gb', 0):.1f} GB)"
+            for k in v
+        )
+        + f"; x{result['speedup_vs_hf']:.2f} vs hf; first compiled call {v['target_stage']['first_call_s']:.1f}s"
+    )
 
 
 def _table(report: dict) -> str:

@@ -59,7 +59,9 @@ def _reference_and_extractor(config, layer_ids: list[int]) -> tuple[torch.Tensor
     extractor = TargetFeatureExtractor.build_random(config, layer_ids, torch.float32, "cpu", seed=3)
     input_ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        hidden = extractor.decoder(input_ids=input_ids, use_cache=False, output_hidden_states=True).hidden_states
+        hidden = extractor.decoder(
+            input_ids=input_ids, use_cache=False, output_hidden_states=True
+        ).hidden_states
     last = len(extractor.decoder.layers) - 1
     # hidden_states[-1] carries the final norm; a layer below the top is read raw.
     expected = torch.cat([hidden[i + 1] if i < last else hidden[-1] for i in layer_ids], dim=-1)
@@ -129,7 +131,9 @@ def test_compile_plan_leaves_linear_attention_eager() -> None:
 def test_describe_kernels_names_the_missing_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     real_find_spec = target_kernels.importlib.util.find_spec
     monkeypatch.setattr(
-        target_kernels.importlib.util, "find_spec", lambda name: None if name == "fla" else real_find_spec(name)
+        target_kernels.importlib.util,
+        "find_spec",
+        lambda name: None if name == "fla" else real_find_spec(name),
     )
     kernels = target_kernels.describe_kernels(_qwen3_5(), on_gpu=True)
     assert "torch fallback" in kernels["linear_attention"] and "222 ms" in kernels["linear_attention"]
@@ -138,9 +142,7 @@ def test_describe_kernels_names_the_missing_extra(monkeypatch: pytest.MonkeyPatc
     assert "linear_attention" not in target_kernels.describe_kernels(_qwen3_moe(), on_gpu=True)
 
 
-def test_doctor_names_the_kernels_and_the_missing_extra(
-    tmp_path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_doctor_names_the_kernels_and_the_missing_extra(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     from dflash_mp.doctor import check_target_kernels
 
     hybrid, sinks = tmp_path / "hybrid", tmp_path / "sinks"
@@ -148,7 +150,9 @@ def test_doctor_names_the_kernels_and_the_missing_extra(
     _gpt_oss().save_pretrained(sinks)
     real_find_spec = target_kernels.importlib.util.find_spec
     monkeypatch.setattr(
-        target_kernels.importlib.util, "find_spec", lambda name: None if name == "fla" else real_find_spec(name)
+        target_kernels.importlib.util,
+        "find_spec",
+        lambda name: None if name == "fla" else real_find_spec(name),
     )
     check = check_target_kernels(str(hybrid), on_gpu=True)
     assert check.ok and check.message.startswith("warning: ")
@@ -158,4 +162,6 @@ def test_doctor_names_the_kernels_and_the_missing_extra(
     check = check_target_kernels(str(sinks), on_gpu=True)
     assert check.ok and not check.message.startswith("warning")
     assert "attention: flex_attention with sinks" in check.message and "experts: grouped_mm" in check.message
-    assert check_target_kernels(str(tmp_path / "absent"), on_gpu=True).message.startswith("warning: cannot read")
+    assert check_target_kernels(str(tmp_path / "absent"), on_gpu=True).message.startswith(
+        "warning: cannot read"
+    )

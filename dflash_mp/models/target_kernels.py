@@ -7,22 +7,28 @@
   returns lse beside the output, and takes the sliding window as a BlockMask: exact, on a fused kernel.
 - Gated-deltanet linear attention (Qwen3.5, Qwen3-Next): transformers picks fla's Triton kernels
   itself when the `fla` package (`pip install 'dflash_mp[linear]'`, fla-core) imports, else a slow
-  torch reference. Those layers are not compiled whole (torch.compile around fla's kernels was
-  slower than eager, docs/TARGETS.md); their MLP and norms are.
+  torch reference. Those layers are not compiled whole (compiled whole they ran slower than eager
+  on an H200); their MLP and norms are.
 - Mixture-of-experts: transformers' grouped-GEMM experts (torch._grouped_mm) instead of a loop.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
 
 SINK_ATTENTION = "dflash_sink_flex"
+# torch.compile is lazy: nothing compiles until a GPU forward calls it (static shapes first,
+# dynamic once the sequence length changes).
+_COMPILED_FLEX = torch.compile(flex_attention)
+_FLEX_OUTSIDE_GRAPHS = torch.compiler.disable(flex_attention)
 
-# Measured on one H200, bf16, S=3072 (docs/TARGETS.md): what a missing extra costs.
+# Measured on one H200, bf16, S=3072, HF's forward: what the missing extra costs.
 FLA_GAIN = "Qwen3.5-9B's forward takes 222 ms with the torch fallback, 111 ms with fla-core 0.6.0"
 
 
@@ -124,31 +130,52 @@ def sink_block_mask(
     device: torch.device | str = "cpu",
     **kwargs: Any,
 ):
-    """transformers' mask hook for SINK_ATTENTION: its causal or sliding-window mask as a BlockMask
-    (built once per forward per layer kind, outside the compiled layers)."""
+    """transformers' mask hook for SINK_ATTENTION: its causal or sliding-window mask as a BlockMask.
+
+    Built outside the compiled layers, from one mask function per window: transformers makes a new
+    mask function every forward, and a compiled layer handed a new one would compile again.
+    """
     from torch.nn.attention.flex_attention import create_block_mask
 
     if attention_mask is not None and not bool(attention_mask.all()):
         raise NotImplementedError("sink attention takes no padding mask: the target runs unpadded rows")
-    if q_offset or kv_offset:
+    if q_offset or kv_offset or q_length != kv_length:
         raise NotImplementedError("sink attention runs the whole sequence at once (no KV cache)")
-    return create_block_mask(mask_function, batch_size, None, q_length, kv_length, device=device)
+    # Causal, or causal within a window: the last query row says which.
+    zero = torch.zeros((), dtype=torch.long)
+    allowed = int(mask_function(zero, zero, torch.tensor(q_length - 1), torch.arange(kv_length)).sum())
+    window = allowed if allowed < kv_length else None
+    key = (batch_size, q_length, str(device), window)
+    if key not in _BLOCK_MASKS:
+        if len(_BLOCK_MASKS) >= 8:  # keep the latest few sequence lengths
+            _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
+        _BLOCK_MASKS[key] = create_block_mask(
+            _mask_mod(window), batch_size, None, q_length, kv_length, device=device
+        )
+    return _BLOCK_MASKS[key]
 
 
-_compiled_flex = None
+_BLOCK_MASKS: dict[tuple, Any] = {}
+
+
+@functools.cache
+def _mask_mod(window: int | None):
+    def causal(batch, head, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def sliding(batch, head, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return causal if window is None else sliding
 
 
 def _flex(device: torch.device):
     """flex_attention compiled (its fused kernel) on GPU; as is (a reference path) on CPU, where
-    inductor cannot return the lse: a compiled CPU layer runs it outside its graph."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
+    inductor cannot return the lse, so a compiled CPU layer runs it outside its graph."""
     if device.type != "cuda":
-        return torch.compiler.disable(flex_attention)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+        return _FLEX_OUTSIDE_GRAPHS
+    # Inside a compiled layer dynamo captures flex_attention itself.
+    return flex_attention if torch.compiler.is_compiling() else _COMPILED_FLEX
 
 
 def _flex_with_lse(query, key, value, block_mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
