@@ -165,3 +165,27 @@ def test_doctor_names_the_kernels_and_the_missing_extra(tmp_path, monkeypatch: p
     assert check_target_kernels(str(tmp_path / "absent"), on_gpu=True).message.startswith(
         "warning: cannot read"
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_compiled_fast_kernels_match_hf_in_bf16_on_cuda(family: str) -> None:
+    """The GPU path (compiled flex with sinks, grouped_mm, per-kind compile) without recompiles."""
+    from torch._dynamo.utils import counters
+
+    config = FAMILIES[family]()
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    layer_ids = [0, 2, config.num_hidden_layers - 1]
+    extractor = TargetFeatureExtractor.build_random(config, layer_ids, torch.bfloat16, "cuda", seed=0)
+    ids = torch.randint(0, 128, (1, 192), generator=torch.Generator().manual_seed(0)).cuda()
+    expected = extractor(ids)
+    extractor.use_fast_kernels()
+    extractor.compile_layers()
+    torch._dynamo.reset()
+    counters.clear()
+    for _ in range(3):  # the later calls run the cached graphs
+        torch.testing.assert_close(extractor(ids), expected, atol=6e-2, rtol=6e-2)
+    assert not counters["recompiles"], dict(counters["recompiles"])
+    torch._dynamo.reset()
