@@ -76,6 +76,11 @@ def preflight(
             checks += [check_devices(cfg.train.device, per_node), check_backends(uses_gpu)]
             checks.append(check_attention(cfg.train.attention, cfg.train.dtype, uses_gpu))
         checks.append(check_target(cfg.model.target_path))
+        if checks[0].ok and checks[-1].ok:
+            import torch
+
+            on_gpu = cfg.train.device != "cpu" and torch.cuda.is_available()
+            checks.append(check_target_kernels(cfg.model.target_path, on_gpu, cfg.model.trust_remote_code))
         checks.append(check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite))
         # A sample of the data through the real tokenizer and template, once they can be read.
         if all(c.ok for c in checks if c.name in ("imports", "config", "target")):
@@ -236,6 +241,21 @@ def check_target(target_path: str) -> Check:
         )
     size = sum(w.stat().st_size for w in weights) / 2**30
     return Check("target", True, f"{path}: {len(weights)} weight file(s), {size:.2f} GiB")
+
+
+def check_target_kernels(target_path: str, on_gpu: bool, trust_remote_code: bool = False) -> Check:
+    """The kernels the target forward will run (attention, linear attention, experts), and what a
+    missing optional extra costs; a missing extra is a warning, not a failure."""
+    from dflash_mp.models.target import load_target_config
+    from dflash_mp.models.target_kernels import describe_kernels, format_kernels
+
+    try:
+        config = load_target_config(target_path, trust_remote_code=trust_remote_code).get_text_config()
+    except Exception as e:  # an unknown model type: the load itself will say more
+        return Check("kernels", True, f"warning: cannot read the target's config ({type(e).__name__}: {e})")
+    kernels = describe_kernels(config, on_gpu)
+    slow = "torch fallback" in kernels.get("linear_attention", "")
+    return Check("kernels", True, ("warning: " if slow else "") + format_kernels(kernels))
 
 
 def check_disk(run_dir: Path, min_free_gib: float = MIN_FREE_GIB) -> Check:

@@ -66,6 +66,7 @@ def make_feature_extractor(
 ):
     """The target of `cfg` on `device`; `mesh`: sharded tensor-parallel over this rank's replica."""
     from dflash_mp.models.target import TargetFeatureExtractor
+    from dflash_mp.models.target_kernels import format_kernels
 
     num_layers = int(read_target_config(cfg.model.target_path)["num_hidden_layers"])
     extractor = TargetFeatureExtractor(
@@ -76,8 +77,14 @@ def make_feature_extractor(
         trust_remote_code=cfg.model.trust_remote_code,
         mesh=mesh,
     )
-    if compile_layers:
-        extractor.compile_layers()
+    # The fast kernels are the GPU default, like compiling; a CPU target stays on HF's own paths.
+    kernels = extractor.use_fast_kernels() if device.type == "cuda" else {"attention": "HF default (CPU)"}
+    plans = extractor.compile_layers() if compile_layers else {}
+    get_logger().info(
+        "target kernels: %s; compiled: %s",
+        format_kernels(kernels),
+        ", ".join(f"{plan} x{n}" for plan, n in plans.items()) or "nothing",
+    )
     return extractor
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
+from dflash_mp.models import target_kernels
 from dflash_mp.models.tensor_parallel import check_divisible, layer_plan, parallel_degree, shard_layer
 
 log = logging.getLogger(__name__)
@@ -194,10 +195,14 @@ class TargetFeatureExtractor(nn.Module):
         self._attach(decoder)
         return self
 
-    def compile_layers(self, **compile_options: Any) -> None:
-        """torch.compile each decoder layer: one graph shared by all layers (fused norms, RoPE, SiLU)."""
-        for layer in self.decoder.layers:
-            layer.compile(**compile_options)
+    def use_fast_kernels(self) -> dict[str, str]:
+        """Sink attention on flex, grouped-GEMM experts (same features); returns the kernels in use."""
+        self.kernels = target_kernels.use_fast_kernels(self.decoder)
+        return self.kernels
+
+    def compile_layers(self, **compile_options: Any) -> dict[str, int]:
+        """torch.compile the layers (fused norms, RoPE, SiLU), leaving fla's linear attention eager."""
+        return target_kernels.compile_layers(self.decoder.layers, **compile_options)
 
     def _capture_hook(self, layer_id: int) -> Callable[[nn.Module, tuple, Any], None]:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:

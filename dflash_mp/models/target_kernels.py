@@ -1,0 +1,211 @@
+"""Which kernels the target forward runs, per layer kind, and the one kernel we add.
+
+- Attention with learned sinks (gpt-oss). transformers runs it only on its eager path (it refuses
+  SDPA), which materialises every S x S score matrix. A sink logit s_h per head joins each row's
+  softmax as one more column whose value is zero, so with lse the log-sum-exp of the row's real
+  scores: softmax_with_sink(scores) @ V = (softmax(scores) @ V) * sigmoid(lse - s_h). flex_attention
+  returns lse beside the output, and takes the sliding window as a BlockMask: exact, on a fused kernel.
+- Gated-deltanet linear attention (Qwen3.5, Qwen3-Next): transformers picks fla's Triton kernels
+  itself when the `fla` package (`pip install 'dflash_mp[linear]'`, fla-core) imports, else a slow
+  torch reference. Those layers are not compiled whole (compiled whole they ran slower than eager
+  on an H200); their MLP and norms are.
+- Mixture-of-experts: transformers' grouped-GEMM experts (torch._grouped_mm) instead of a loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
+
+SINK_ATTENTION = "dflash_sink_flex"
+# torch.compile is lazy: nothing compiles until a GPU forward calls it (static shapes first,
+# dynamic once the sequence length changes).
+_COMPILED_FLEX = torch.compile(flex_attention)
+_FLEX_OUTSIDE_GRAPHS = torch.compiler.disable(flex_attention)
+
+# Measured on one H200, bf16, S=3072, HF's forward: what the missing extra costs.
+FLA_GAIN = "Qwen3.5-9B's forward takes 222 ms with the torch fallback, 111 ms with fla-core 0.6.0"
+
+
+def linear_attention_kernels() -> str:
+    """What gated-deltanet layers run here: fla's Triton kernels or transformers' torch fallback."""
+    if importlib.util.find_spec("fla") is None:
+        return f"torch fallback (install the `linear` extra, fla-core: {FLA_GAIN})"
+    conv = "causal-conv1d" if importlib.util.find_spec("causal_conv1d") else "torch conv1d"
+    return f"fla Triton kernels (short convolution: {conv})"
+
+
+def has_attention_sinks(config: Any) -> bool:
+    """gpt-oss style learned per-head sinks in the softmax."""
+    return getattr(config, "model_type", None) == "gpt_oss"
+
+
+def has_linear_attention(config: Any) -> bool:
+    return "linear_attention" in (getattr(config, "layer_types", None) or [])
+
+
+def is_moe(config: Any) -> bool:
+    return any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def describe_kernels(config: Any, on_gpu: bool) -> dict[str, str]:
+    """The kernels a target of `config` (its text config) runs with `use_fast_kernels` on this machine."""
+    kernels = {"attention": "sdpa"}
+    if has_attention_sinks(config):
+        kernels["attention"] = (
+            "flex_attention with sinks (exact lse rescale)" if on_gpu else "eager with sinks (CPU)"
+        )
+    if has_linear_attention(config):
+        kernels["linear_attention"] = linear_attention_kernels()
+    if is_moe(config):
+        kernels["experts"] = "grouped_mm"
+    return kernels
+
+
+def format_kernels(kernels: dict[str, str]) -> str:
+    return ", ".join(f"{kind}: {name}" for kind, name in kernels.items())
+
+
+def use_fast_kernels(decoder: nn.Module) -> dict[str, str]:
+    """Switch a built decoder to the fast kernels (same outputs); returns what it now runs."""
+    config = decoder.config
+    if has_attention_sinks(config):
+        _register_sink_attention()
+        config._attn_implementation = SINK_ATTENTION
+    if is_moe(config) and hasattr(decoder, "set_experts_implementation"):
+        decoder.set_experts_implementation("grouped_mm")
+    kernels = {"attention": _ATTENTION_NAMES.get(config._attn_implementation, config._attn_implementation)}
+    if has_linear_attention(config):
+        kernels["linear_attention"] = linear_attention_kernels()
+    if is_moe(config):
+        kernels["experts"] = str(getattr(config, "_experts_implementation", None) or "eager")
+    return kernels
+
+
+_ATTENTION_NAMES = {SINK_ATTENTION: "flex_attention with sinks (exact lse rescale)"}
+
+
+def compile_layers(layers: nn.ModuleList, **compile_options: Any) -> dict[str, int]:
+    """torch.compile what gains from it: whole layers, but only the MLP and norms of a layer
+    whose linear attention runs fla's Triton kernels. Returns how many layers took each plan."""
+    plans = {"whole layer": 0, "mlp and norms": 0}
+    for layer in layers:
+        linear = getattr(layer, "linear_attn", None)
+        if linear is None:
+            layer.compile(**compile_options)
+            plans["whole layer"] += 1
+            continue
+        parts = [layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
+        parts += [m for m in [getattr(linear, "norm", None)] if m is not None]
+        for part in parts:
+            part.compile(**compile_options)
+        plans["mlp and norms"] += 1
+    return {plan: n for plan, n in plans.items() if n}
+
+
+# ---------------------------------------------------------------- attention with sinks
+
+
+def _register_sink_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(SINK_ATTENTION, sink_attention_forward)
+    AttentionMaskInterface.register(SINK_ATTENTION, sink_block_mask)
+
+
+def sink_block_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+    **kwargs: Any,
+):
+    """transformers' mask hook for SINK_ATTENTION: its causal or sliding-window mask as a BlockMask.
+
+    Built outside the compiled layers, from one mask function per window: transformers makes a new
+    mask function every forward, and a compiled layer handed a new one would compile again.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise NotImplementedError("sink attention takes no padding mask: the target runs unpadded rows")
+    if q_offset or kv_offset or q_length != kv_length:
+        raise NotImplementedError("sink attention runs the whole sequence at once (no KV cache)")
+    # Causal, or causal within a window: the last query row says which.
+    zero = torch.zeros((), dtype=torch.long)
+    allowed = int(mask_function(zero, zero, torch.tensor(q_length - 1), torch.arange(kv_length)).sum())
+    window = allowed if allowed < kv_length else None
+    key = (batch_size, q_length, str(device), window)
+    if key not in _BLOCK_MASKS:
+        if len(_BLOCK_MASKS) >= 8:  # keep the latest few sequence lengths
+            _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
+        _BLOCK_MASKS[key] = create_block_mask(
+            _mask_mod(window), batch_size, None, q_length, kv_length, device=device
+        )
+    return _BLOCK_MASKS[key]
+
+
+_BLOCK_MASKS: dict[tuple, Any] = {}
+
+
+@functools.cache
+def _mask_mod(window: int | None):
+    def causal(batch, head, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def sliding(batch, head, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return causal if window is None else sliding
+
+
+def _flex(device: torch.device):
+    """flex_attention compiled (its fused kernel) on GPU; as is (a reference path) on CPU, where
+    inductor cannot return the lse, so a compiled CPU layer runs it outside its graph."""
+    if device.type != "cuda":
+        return _FLEX_OUTSIDE_GRAPHS
+    # Inside a compiled layer dynamo captures flex_attention itself.
+    return flex_attention if torch.compiler.is_compiling() else _COMPILED_FLEX
+
+
+def _flex_with_lse(query, key, value, block_mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch.nn.attention.flex_attention as flex_module
+
+    flex = _flex(query.device)
+    common = dict(block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
+    if hasattr(flex_module, "AuxRequest"):  # torch >= 2.9
+        out, aux = flex(query, key, value, return_aux=flex_module.AuxRequest(lse=True), **common)
+        return out, aux.lse
+    return flex(query, key, value, return_lse=True, **common)
+
+
+def sink_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float,
+    dropout: float = 0.0,
+    s_aux: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: [B, H, S, D] in, [B, S, H, D] out, sinks applied exactly."""
+    if dropout:
+        raise ValueError("sink attention is for the frozen target: no attention dropout")
+    out, lse = _flex_with_lse(query, key, value, attention_mask, scaling)
+    if s_aux is not None:
+        # softmax over [scores, s] = softmax(scores) * exp(lse) / (exp(lse) + exp(s)) = ... * sigmoid(lse - s)
+        keep = torch.sigmoid(lse.float() - s_aux.float().view(1, -1, 1)).unsqueeze(-1)
+        out = (out.float() * keep).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None

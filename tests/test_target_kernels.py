@@ -1,0 +1,192 @@
+"""The target's fast kernels keep its features equal to HF's own forward (fp32, CPU, tiny configs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GptOssConfig, Qwen3_5TextConfig, Qwen3MoeConfig
+
+from dflash_mp.models import target_kernels
+from dflash_mp.models.target import TargetFeatureExtractor
+
+SEQ = 40  # over three flex blocks of the sliding window's 16 rows, not a multiple of any
+
+
+def _gpt_oss() -> GptOssConfig:
+    return GptOssConfig(
+        hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, vocab_size=128,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+    )  # fmt: skip
+
+
+def _qwen3_moe() -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        vocab_size=128,
+    )  # fmt: skip
+
+
+def _qwen3_5(moe: bool = False):
+    shared = dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        vocab_size=128,
+    )  # fmt: skip
+    if moe:
+        from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+        return Qwen3_5MoeTextConfig(
+            **shared, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+            num_experts_per_tok=2,
+        )  # fmt: skip
+    return Qwen3_5TextConfig(**shared, intermediate_size=96)
+
+
+FAMILIES = {
+    "gpt_oss": _gpt_oss,
+    "qwen3_moe": _qwen3_moe,
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_moe": lambda: _qwen3_5(moe=True),
+}
+
+
+def _reference_and_extractor(config, layer_ids: list[int]) -> tuple[torch.Tensor, TargetFeatureExtractor]:
+    """HF's hidden states (its eager attention and experts) and an extractor over the same weights."""
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # HF's loop over experts
+    extractor = TargetFeatureExtractor.build_random(config, layer_ids, torch.float32, "cpu", seed=3)
+    input_ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hidden = extractor.decoder(
+            input_ids=input_ids, use_cache=False, output_hidden_states=True
+        ).hidden_states
+    last = len(extractor.decoder.layers) - 1
+    # hidden_states[-1] carries the final norm; a layer below the top is read raw.
+    expected = torch.cat([hidden[i + 1] if i < last else hidden[-1] for i in layer_ids], dim=-1)
+    return expected, extractor
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fast_kernels_keep_hf_hidden_states(family: str) -> None:
+    config = FAMILIES[family]()
+    layer_ids = [0, 2, config.num_hidden_layers - 1]
+    expected, extractor = _reference_and_extractor(config, layer_ids)
+    kernels = extractor.use_fast_kernels()
+    ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(extractor(ids), expected, atol=2e-5, rtol=2e-5)
+    if family == "gpt_oss":
+        assert extractor.decoder.config._attn_implementation == target_kernels.SINK_ATTENTION
+        assert "sinks" in kernels["attention"]
+    if "moe" in family or family == "gpt_oss":
+        assert kernels["experts"] == "grouped_mm"
+    if family.startswith("qwen3_5"):
+        assert "linear_attention" in kernels
+
+
+def test_sink_attention_matches_hf_eager_with_large_sinks() -> None:
+    """The sigmoid(lse - s) rescale, also where the sink takes most of a row's weight."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, window = 2, 4, 2, 16, 8
+    module = torch.nn.Module()
+    module.sinks = torch.nn.Parameter(torch.tensor([-3.0, 0.0, 4.0, 12.0]))
+    module.num_key_value_groups = heads // kv_heads
+    module.training = False
+    q = torch.randn(batch, heads, SEQ, dim)
+    k, v = torch.randn(batch, kv_heads, SEQ, dim), torch.randn(batch, kv_heads, SEQ, dim)
+    i = torch.arange(SEQ)
+    for sliding in (None, window):
+        allowed = i[:, None] >= i[None]
+        if sliding:
+            allowed &= i[:, None] - i[None] < sliding
+        additive = torch.zeros(SEQ, SEQ).masked_fill(~allowed, float("-inf"))[None, None]
+        expected, _ = eager_attention_forward(module, q, k, v, additive, scaling=dim**-0.5)
+
+        def mask_mod(b, h, q_idx, kv_idx, sliding=sliding):
+            keep = q_idx >= kv_idx
+            return keep & (q_idx - kv_idx < sliding) if sliding else keep
+
+        block_mask = target_kernels.sink_block_mask(batch, SEQ, SEQ, mask_function=mask_mod)
+        out, _ = target_kernels.sink_attention_forward(
+            module, q, k, v, block_mask, scaling=dim**-0.5, s_aux=module.sinks
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_compile_plan_leaves_linear_attention_eager() -> None:
+    decoder = TargetFeatureExtractor.build_random(_qwen3_5(), [3], torch.float32, "cpu").decoder
+    calls: list[str] = []
+    for name, module in decoder.named_modules():
+        module.compile = lambda name=name, **_: calls.append(name)  # record, do not compile
+    plans = target_kernels.compile_layers(decoder.layers)
+    assert plans == {"whole layer": 1, "mlp and norms": 3}
+    assert "layers.3" in calls and "layers.0" not in calls
+    assert "layers.0.mlp" in calls and "layers.0.linear_attn.norm" in calls
+    assert not any(name.endswith("linear_attn") for name in calls)
+
+
+def test_describe_kernels_names_the_missing_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = target_kernels.importlib.util.find_spec
+    monkeypatch.setattr(
+        target_kernels.importlib.util,
+        "find_spec",
+        lambda name: None if name == "fla" else real_find_spec(name),
+    )
+    kernels = target_kernels.describe_kernels(_qwen3_5(), on_gpu=True)
+    assert "torch fallback" in kernels["linear_attention"] and "222 ms" in kernels["linear_attention"]
+    assert target_kernels.describe_kernels(_gpt_oss(), on_gpu=True)["attention"].startswith("flex")
+    assert target_kernels.describe_kernels(_qwen3_moe(), on_gpu=True)["experts"] == "grouped_mm"
+    assert "linear_attention" not in target_kernels.describe_kernels(_qwen3_moe(), on_gpu=True)
+
+
+def test_doctor_names_the_kernels_and_the_missing_extra(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dflash_mp.doctor import check_target_kernels
+
+    hybrid, sinks = tmp_path / "hybrid", tmp_path / "sinks"
+    _qwen3_5().save_pretrained(hybrid)
+    _gpt_oss().save_pretrained(sinks)
+    real_find_spec = target_kernels.importlib.util.find_spec
+    monkeypatch.setattr(
+        target_kernels.importlib.util,
+        "find_spec",
+        lambda name: None if name == "fla" else real_find_spec(name),
+    )
+    check = check_target_kernels(str(hybrid), on_gpu=True)
+    assert check.ok and check.message.startswith("warning: ")
+    assert "linear_attention: torch fallback" in check.message and "111 ms" in check.message
+    monkeypatch.setattr(target_kernels.importlib.util, "find_spec", lambda name: object())
+    assert "fla Triton kernels" in check_target_kernels(str(hybrid), on_gpu=True).message
+    check = check_target_kernels(str(sinks), on_gpu=True)
+    assert check.ok and not check.message.startswith("warning")
+    assert "attention: flex_attention with sinks" in check.message and "experts: grouped_mm" in check.message
+    assert check_target_kernels(str(tmp_path / "absent"), on_gpu=True).message.startswith(
+        "warning: cannot read"
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_compiled_fast_kernels_match_hf_in_bf16_on_cuda(family: str) -> None:
+    """The GPU path (compiled flex with sinks, grouped_mm, per-kind compile) without recompiles."""
+    from torch._dynamo.utils import counters
+
+    config = FAMILIES[family]()
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    layer_ids = [0, 2, config.num_hidden_layers - 1]
+    extractor = TargetFeatureExtractor.build_random(config, layer_ids, torch.bfloat16, "cuda", seed=0)
+    ids = torch.randint(0, 128, (1, 192), generator=torch.Generator().manual_seed(0)).cuda()
+    expected = extractor(ids)
+    extractor.use_fast_kernels()
+    extractor.compile_layers()
+    torch._dynamo.reset()
+    torch.testing.assert_close(extractor(ids), expected, atol=6e-2, rtol=6e-2)
+    frames = int(counters["frames"]["total"])
+    for _ in range(2):  # the later calls run the cached graphs, compiling nothing
+        torch.testing.assert_close(extractor(ids), expected, atol=6e-2, rtol=6e-2)
+    assert int(counters["frames"]["total"]) == frames
+    torch._dynamo.reset()
