@@ -357,10 +357,12 @@ def test_a_fresh_start_in_a_used_run_dir_is_refused_before_any_worker_works(tmp_
     assert "holds an earlier run" in log and "train.overwrite=true: removed the earlier run's" in log
 
 
-def test_data_without_a_usable_record_is_refused_under_plain_torchrun_too(tmp_path):
+@pytest.mark.parametrize("name", ["x.jsonl", "x.parquet"])
+def test_data_without_a_usable_record_is_refused_under_plain_torchrun_too(tmp_path, name):
     """No launcher ran the preflight: rank 0 reads the data sample itself, every rank exits with
-    the reason before loading a model, and nothing is trained or reported as done."""
-    data = tmp_path / "x.parquet"  # a binary file: every "line" is a bad record
+    the reason before loading a model, and nothing is trained or reported as done. Random bytes:
+    as JSONL every line is a bad record; as Parquet the file is not one."""
+    data = tmp_path / name
     data.write_bytes(os.urandom(4000))
     run = tmp_path / "binary"
     proc = subprocess.run(
@@ -376,8 +378,11 @@ def test_data_without_a_usable_record_is_refused_under_plain_torchrun_too(tmp_pa
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "exitcode  : 2" in output, output[-3000:]
     # Every rank exits with the reason (torchrun may end the slower one before it prints).
-    assert re.search(r"dflash_mp: rank \d: refused: data: (\d+) of \1 sampled records \(100.0%\)", output)
-    assert f"{data}:1: " in output and "data.max_bad_fraction" in output
+    if name.endswith(".jsonl"):
+        assert re.search(r"dflash_mp: rank \d: refused: data: (\d+) of \1 sampled records \(100.0%\)", output)
+        assert f"{data}:1: " in output and "data.max_bad_fraction" in output
+    else:
+        assert re.search(rf"dflash_mp: rank \d: refused: data: {data}: not a readable Parquet file", output)
     log = (run / "logs" / "job.log").read_text()
     assert "preflight failed, no training started: data:" in log and "finished" not in log
     assert not (run / "metrics.jsonl").exists() and not (run / "heartbeats").exists()

@@ -167,6 +167,17 @@ def test_doctor_names_the_kernels_and_the_missing_extra(tmp_path, monkeypatch: p
     )
 
 
+def _assert_close_in_bf16(actual: torch.Tensor, expected: torch.Tensor, routed: bool) -> None:
+    """bf16 tolerance; where a router picks experts (gpt-oss here) a near-tie that rounds the other
+    way sends a token to other experts, so up to 1% of the elements may differ more (on an H200,
+    0.45% did). The fp32 CPU tests above hold every family to 2e-5."""
+    if not routed:
+        torch.testing.assert_close(actual, expected, atol=6e-2, rtol=6e-2)
+        return
+    outside = (actual.float() - expected.float()).abs() > 6e-2 + 6e-2 * expected.float().abs()
+    assert outside.float().mean().item() <= 0.01, f"{int(outside.sum())} of {outside.numel()} elements differ"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -184,9 +195,9 @@ def test_compiled_fast_kernels_match_hf_in_bf16_on_cuda(family: str) -> None:
     extractor.use_fast_kernels()
     extractor.compile_layers()
     torch._dynamo.reset()
-    torch.testing.assert_close(extractor(ids), expected, atol=6e-2, rtol=6e-2)
+    _assert_close_in_bf16(extractor(ids), expected, routed=family == "gpt_oss")
     frames = int(counters["frames"]["total"])
     for _ in range(2):  # the later calls run the cached graphs, compiling nothing
-        torch.testing.assert_close(extractor(ids), expected, atol=6e-2, rtol=6e-2)
+        _assert_close_in_bf16(extractor(ids), expected, routed=family == "gpt_oss")
     assert int(counters["frames"]["total"]) == frames
     torch._dynamo.reset()
