@@ -52,19 +52,14 @@ def prompt_messages(record: Any) -> list[dict[str, str]]:
     return prompt
 
 
-def load_prompts(
-    paths: Sequence[str | Path], tokenizer: Any, limit: int | None = None, renderer: Any = None
-) -> list[Prompt]:
-    """The first `limit` prompts of chat JSONL files, rendered with the generation prompt.
+def prompt_records(paths: Sequence[str | Path], limit: int | None = None) -> list[tuple[str, list[dict]]]:
+    """(file:line, prompt messages) of the first `limit` records of chat JSONL files.
 
     A record's prompt is its messages before the first assistant turn (all of them for a
     prompt-only record), so training files and held-out conversations both serve as prompts.
-    `renderer` (a dflash_mp.data.ChatRenderer) applies the run's data.chat_template and its
-    kwargs, so prompts are rendered the way training rendered conversations.
     """
-    from dflash_mp.data import ChatRenderer, DataError, EmptyData, open_records
+    from dflash_mp.data import DataError, EmptyData, open_records
 
-    renderer = renderer or ChatRenderer(tokenizer)
     if not paths:
         raise EvalError("no prompt files given: pass --prompts FILE.jsonl (or set data.eval_files)")
     try:
@@ -76,16 +71,31 @@ def load_prompts(
         ) from None
     except DataError as e:
         raise EvalError(f"cannot read the prompts: {e}") from None
-    prompts: list[Prompt] = []
+    prompts: list[tuple[str, list[dict]]] = []
     for i in range(len(records) if limit is None else min(limit, len(records))):
         path, line_number, line = records.read(i)
         source = f"{path}:{line_number}"
         try:
-            messages = prompt_messages(json.loads(line))
+            prompts.append((source, prompt_messages(json.loads(line))))
         except json.JSONDecodeError as e:
             raise EvalError(f"{source}: malformed JSON ({e.msg} at column {e.colno})") from None
         except ValueError as e:
             raise EvalError(f"{source}: {e}") from None
+    return prompts
+
+
+def load_prompts(
+    paths: Sequence[str | Path], tokenizer: Any, limit: int | None = None, renderer: Any = None
+) -> list[Prompt]:
+    """The first `limit` prompts of chat JSONL files (`prompt_records`), rendered with the
+    generation prompt. `renderer` (a dflash_mp.data.ChatRenderer) applies the run's
+    data.chat_template and its kwargs, so prompts are rendered the way training rendered conversations.
+    """
+    from dflash_mp.data import ChatRenderer
+
+    renderer = renderer or ChatRenderer(tokenizer)
+    prompts: list[Prompt] = []
+    for source, messages in prompt_records(paths, limit):
         text = renderer.apply(messages, generation_prompt=True)
         input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         prompts.append(Prompt(source=source, input_ids=list(input_ids)))
