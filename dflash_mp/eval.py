@@ -2,10 +2,13 @@
 
     python -m dflash_mp.eval RUN_DIR | EXPORT_DIR | CHECKPOINT_DIR [--step N] [--target PATH]
         [--prompts FILE.jsonl ...] [--num-prompts N] [--max-new-tokens N] [--temperature T] [--out FILE]
+        [--server URL [--served-only] [--tolerance 0.1] ...]
 
 Decodes every prompt with the drafter proposing each block (`dflash_mp.decoding`; a DFlash 2
 drafter proposes through its candidate selector) and plainly with the target, and writes tau
 (mean acceptance length), per-position acceptance and the speedup (`dflash_mp.evaluation`).
+With --server, a running vLLM or SGLang server decodes the same prompts and its own acceptance
+counters are printed beside tau (`dflash_mp.served_acceptance`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,13 @@ from dflash_mp.evaluation import (  # noqa: F401
     stop_token_ids,
 )
 from dflash_mp.models.drafter import DFlashDrafter
+from dflash_mp.served_acceptance import (
+    add_served_arguments,
+    measure_served,
+    print_served,
+    report_served_only,
+    served_summary,
+)
 
 # ----------------------------------------------------------------------------------------
 # command line
@@ -98,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="DFlash 2: propose the LM head's argmax (or sample) at each position, bypassing the selector",
     )
     parser.add_argument("--out", type=Path, help="result JSON (default: RUN_DIR/eval.json, else ./eval.json)")
+    add_served_arguments(parser)
     args = parser.parse_args(argv)
 
     from omegaconf import OmegaConf
@@ -113,6 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         run_data = run_cfg.data if run_cfg is not None else {}
         prompt_files = held_out_prompt_files(args.prompts or run_data.get("eval_files", []), target_path)
+        # The server first: it is quick to fail, and --served-only needs no local target.
+        served = measure_served(args, prompt_files, run_data, str(target_path), drafter.block_size)
+        if served is not None and args.served_only:
+            return report_served_only(served, args)
         trust_remote_code = args.trust_remote_code or bool(run_cfg and run_cfg.model.trust_remote_code)
         device, dtype = resolve_device(args.device, args.dtype)
         # The run's chat template and its kwargs (e.g. enable_thinking), as training rendered its data.
@@ -150,9 +165,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     result.update(
         drafter=str(args.drafter), target=str(target_path), prompt_files=[str(p) for p in prompt_files]
     )
+    if served is not None:
+        result["served"] = served_summary(served, result, args.tolerance)
     out = args.out or ((run_dir or Path(".")) / "eval.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(format_table(result))
+    if served is not None:
+        print_served(result["served"])
     print(f"wrote {out}")
     return 0
 
