@@ -317,7 +317,8 @@ def test_served_beside_local_tau_warns_only_when_they_differ(
                   "chat template", "num_speculative_tokens", "dtype"):  # fmt: skip
         assert cause in captured.err, cause
     # A wide enough tolerance accepts the same difference.
-    assert main([str(export), *common, "--server", differing.url, "--tolerance", "10"]) == 0
+    wide = ["--server", differing.url, "--tolerance", "10", "--out", str(tmp_path / "w.json")]
+    assert main([str(export), *common, *wide]) == 0
     assert "WARNING" not in capsys.readouterr().err
 
 
