@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from transformers import GptOssConfig, Qwen3_5TextConfig, Qwen3MoeConfig
@@ -201,3 +203,42 @@ def test_compiled_fast_kernels_match_hf_in_bf16_on_cuda(family: str) -> None:
         _assert_close_in_bf16(extractor(ids), expected, routed=family == "gpt_oss")
     assert int(counters["frames"]["total"]) == frames
     torch._dynamo.reset()
+
+
+def test_shifted_causal_conv_equals_transformers_fallback() -> None:
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_fn
+
+    fallback = getattr(causal_conv1d_fn, "dflash_original", causal_conv1d_fn)
+    g = torch.Generator().manual_seed(0)
+    x, weight, bias = (
+        torch.randn(2, 24, SEQ, generator=g),
+        torch.randn(24, 4, generator=g),
+        torch.randn(24, generator=g),
+    )
+    for b, act in ((bias, "silu"), (None, None)):
+        expected = fallback(x, weight, b, activation=act)
+        torch.testing.assert_close(target_kernels.shifted_causal_conv(x, weight, b, act), expected)
+
+
+def test_compiled_deltanet_layers_route_their_convolution_and_keep_hf_features(monkeypatch) -> None:
+    """compile_layers sends the short convolution of its own layers through the shifted kernel; another
+    model of the same class (an HF reference) keeps transformers' path."""
+    if importlib.util.find_spec("causal_conv1d") is not None:
+        pytest.skip("causal-conv1d installed: transformers' kernel is kept")
+    calls = []
+    real = target_kernels.shifted_causal_conv
+    monkeypatch.setattr(target_kernels, "shifted_causal_conv", lambda *a: calls.append(1) or real(*a))
+    config = _qwen3_5()
+    layer_ids = [0, 2, config.num_hidden_layers - 1]
+    expected, extractor = _reference_and_extractor(config, layer_ids)
+    for module in extractor.decoder.modules():
+        monkeypatch.setattr(module, "compile", lambda **_: None, raising=False)
+    extractor.compile_layers()
+    ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(extractor(ids), expected, atol=2e-5, rtol=2e-5)
+    assert len(calls) == 3  # the three deltanet layers of four
+    calls.clear()
+    other = TargetFeatureExtractor.build_random(config, layer_ids, torch.float32, "cpu", seed=3)
+    with torch.no_grad():
+        other.decoder(input_ids=ids, use_cache=False)
+    assert calls == []
