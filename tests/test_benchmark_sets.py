@@ -181,6 +181,18 @@ def test_config_refuses_missing_and_unknown_benchmarks_before_any_worker(tmp_pat
     assert "missing.jsonl: file does not exist" in failed and "unknown.jsonl" in failed
 
 
+def test_benchmarks_stand_in_for_held_out_prompts_of_a_real_target(tmp_path: Path) -> None:
+    target = tmp_path / "Qwen3-8B"
+    target.mkdir()
+    (target / "config.json").write_text('{"num_hidden_layers": 36, "max_position_embeddings": 40960}')
+    data = write_jsonl(tmp_path / "train.jsonl", [{}])
+    gsm8k = write_jsonl(tmp_path / "gsm8k.jsonl", [RECORDS["gsm8k"]])
+    common = ["experiment=paper", f"model.target_path={target}", f"data.train_files=[{data}]"]
+    with pytest.raises(ConfigError, match=r"data.eval_files is empty: .* or \+eval.benchmarks.NAME=FILE"):
+        validate(compose_config(common), world_size=8)
+    validate(compose_config([*common, f"+eval.benchmarks.gsm8k={gsm8k}"]), world_size=8)
+
+
 def test_preflight_reads_benchmark_prompts_against_the_context(tmp_path: Path) -> None:
     long_question = {"question": " ".join(["apples"] * 600), "answer": "#### 1"}
     path = write_jsonl(tmp_path / "gsm8k.jsonl", [RECORDS["gsm8k"], long_question])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -181,7 +182,7 @@ def test_make_eval_benchmarks_expands_to_the_command() -> None:
 # ----------------------------------------------------------------------------------------- training
 
 
-def test_the_training_evaluator_measures_each_benchmark(tiny: dict, sets: dict) -> None:
+def test_the_training_evaluator_measures_each_benchmark(tiny: dict, sets: dict, tmp_path: Path) -> None:
     cfg = embedded_config(
         "eval.num_prompts=2",
         "eval.max_new_tokens=6",
@@ -192,6 +193,18 @@ def test_the_training_evaluator_measures_each_benchmark(tiny: dict, sets: dict) 
     assert sorted(evaluator.benchmarks.conversations) == ["gsm8k", "mt"]
     measured = evaluator.measure(tiny["drafter"])
     assert sorted(measured) == ["tau", "tau/gsm8k", "tau/mt"] and all(v >= 1 for v in measured.values())
+    # A target of the user's own (here a copy) with benchmarks and no data.eval_files: tau/<name> only.
+    own_target = shutil.copytree(tiny["cfg"].model.target_path, tmp_path / "target")
+    benchmarks_only = embedded_config(
+        f"model.target_path={own_target}",
+        "data.eval_files=[]",
+        "eval.num_prompts=1",
+        "eval.max_new_tokens=6",
+        f"+eval.benchmarks.gsm8k={sets['gsm8k']}",
+    )
+    assert list(AcceptanceEvaluator(benchmarks_only, torch.device("cpu")).measure(tiny["drafter"])) == [
+        "tau/gsm8k"
+    ]
 
 
 @pytest.mark.slow
