@@ -4,14 +4,15 @@ A benchmark is given as NAME=PATH or as PATH alone: a known NAME picks the forma
 name (or none) lets the fields of the file's first record decide. The formats, the fields that
 identify each, and the user turn built from a record:
 
-    gsm8k          question, answer                    question + REASON
-    math500        problem, solution, answer, and one of subject/level/unique_id   problem + REASON
+    gsm8k          question, answer                          question + REASON
+    math500        problem, solution, answer,
+                   subject|level|unique_id                   problem + REASON
     aime           problem|Problem|question, answer|Answer   problem + REASON
-    humaneval      task_id, prompt, canonical_solution "Write a solution ..." around the prompt
-    mbpp           task_id, text|prompt, test_list|code  the description as it is
-    livecodebench  question_content                    question_content, stripped
-    mtbench        question_id|category, turns         each of the turns, one after another
-    alpaca         instruction, output (input)         instruction, and the input below it
+    humaneval      task_id, prompt, canonical_solution       "Write a solution ..." around the prompt
+    mbpp           task_id, text|prompt, test_list|code      the description as it is
+    livecodebench  question_content                          question_content, stripped
+    mtbench        question_id|category, turns               each turn, one after another
+    alpaca         instruction, output (input)               instruction, and the input below it
 
 REASON is "Please reason step by step, and put your final answer within \\boxed{}." on a new line.
 The wording is the DFlash authors' evaluation (github.com/z-lab/dflash, dflash/benchmark.py:
@@ -56,6 +57,8 @@ def _mtbench_turns(record: dict[str, Any]) -> list[str]:
 
 @dataclass(frozen=True)
 class BenchmarkFormat:
+    """A set's record format: the fields that identify it and how its records become user turns."""
+
     name: str
     title: str
     # Every group must be present (one field of it) for a record to be this format.
