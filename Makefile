@@ -20,8 +20,10 @@ BENCH_RANKS ?= 2
 GPUS ?= 8
 BENCH ?= bench/results/h200x2-qwen3-8b.json
 TARGET ?=
+# Benchmark files for `make eval-benchmarks`, [NAME=]FILE each (docs/benchmarks-eval.md).
+BENCHMARKS ?=
 
-.PHONY: help setup test lint format train eval plot start status stop doctor bench plan clean
+.PHONY: help setup test lint format train eval eval-benchmarks plot start status stop doctor bench plan clean
 
 help: ## Show this help
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-8s %s\n", $$1, $$2}'
@@ -54,6 +56,10 @@ train: setup ## Train the embedded default (2 target + 1 drafter ranks, CPU); RU
 
 eval: setup ## Acceptance length (tau) of a run's drafter: RUN_DIR=path ARGS="--temperature 1"
 	$(PY) -m dflash_mp.eval $(RUN_DIR) $(ARGS)
+
+eval-benchmarks: setup ## Acceptance table on benchmark files: RUN_DIR=path BENCHMARKS="gsm8k=FILE mtbench=FILE" ARGS="--limit 8"
+	$(if $(strip $(BENCHMARKS)),,$(error BENCHMARKS is empty: give benchmark files, e.g. BENCHMARKS="gsm8k=data/gsm8k.jsonl"))
+	$(PY) -m dflash_mp.eval $(RUN_DIR) --benchmarks $(BENCHMARKS) $(ARGS)
 
 plot: setup ## Training curves of RUN_DIR into RUN_DIR/plots
 	$(PY) -m dflash_mp.plot $(RUN_DIR)

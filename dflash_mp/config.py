@@ -196,6 +196,9 @@ class EvalConfig:
     num_prompts: int = 8
     # New tokens generated per prompt.
     max_new_tokens: int = 64
+    # Benchmark files measured too, name: path (JSONL/Parquet as published: GSM8K, MATH-500, AIME,
+    # HumanEval, MBPP, LiveCodeBench, MT-Bench, Alpaca; docs/benchmarks-eval.md), logged as tau/<name>.
+    benchmarks: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -6,7 +6,8 @@ features of all positions < p, and proposes B-1 tokens; the target scores the wh
 forward over its KV cache; the longest prefix of proposals the target agrees with is accepted,
 plus one token of the target's own (the bonus). Greedy verification compares with the target's
 argmax, so the output is exactly the target's greedy decoding; with temperature > 0, rejection
-sampling keeps the output distributed as the target's. The accounting (acceptance length = tokens
+sampling keeps the output distributed as the target's (both distributions cut by the same
+top-k/top-p, as the reference's `dflash_generate` does). The accounting (acceptance length = tokens
 produced per verify forward, bonus included, cut at the length limit and at a stop token) is the
 reference `dflash.model.dflash_generate`'s, so tau here is the number the DFlash paper reports.
 
@@ -72,15 +73,40 @@ def _crop(cache: Any, length: int) -> None:
     cache.crop(length - cache.get_seq_length())  # crop() takes minus the number of tokens to drop
 
 
-def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    return torch.softmax(logits.float() / temperature, dim=-1)
+def sampling_probs(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """The distribution a sampler draws from: softmax(logits / T) over the `top_k` likeliest tokens
+    (0: all), then cut to the smallest set of them holding `top_p` of the probability, renormalized.
+    Top-k before top-p, as transformers, vLLM and the reference `dflash` order them; the target's
+    and the drafter's distributions go through the same cut, so rejection sampling stays exact."""
+    scores = logits.float() / temperature
+    top_k_ids = None
+    if 0 < top_k < scores.shape[-1]:
+        scores, top_k_ids = scores.topk(top_k, dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        descending, order = probs.sort(dim=-1, descending=True)
+        # A token stays while the likelier ones hold less than top_p: the one that crosses it stays.
+        descending = descending.masked_fill(descending.cumsum(-1) - descending >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, descending)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if top_k_ids is None:
+        return probs
+    return torch.zeros_like(logits, dtype=probs.dtype).scatter(-1, top_k_ids, probs)
 
 
-def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """Next tokens [N] from logits [N, V]: argmax, or a sample at `temperature`."""
+def _pick(
+    logits: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> torch.Tensor:
+    """Next tokens [N] from logits [N, V]: argmax, or a sample at `temperature` (top-k, top-p)."""
     if temperature <= 0:
         return logits.argmax(-1)
-    return torch.multinomial(_probs(logits, temperature), 1, generator=generator)[:, 0]
+    return torch.multinomial(sampling_probs(logits, temperature, top_k, top_p), 1, generator=generator)[:, 0]
 
 
 def _rejection_sample(
@@ -153,10 +179,13 @@ def _propose(
     size: int,
     temperature: float,
     generator: torch.Generator | None,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[list[int], torch.Tensor | None]:
     """The drafter's `size - 1` proposals for block [first_token, MASK...] at positions start..; and
-    their sampling distributions [size-1, V] when temperature > 0 (a DFlash 2 drafter's: q over its
-    K candidates, zero elsewhere)."""
+    their sampling distributions [size-1, V] when temperature > 0, cut by top_k/top_p as the target's
+    (a DFlash 2 drafter's: its selector's q over its K candidates, zero elsewhere and not cut, as the
+    reference's `propose`; rejection sampling is exact for any q the proposals were drawn from)."""
     device = context_features.device
     param = next(drafter.parameters())
     block_ids = torch.full((1, size), drafter.mask_token_id, device=device)
@@ -192,8 +221,10 @@ def _propose(
         if q is not None:
             draft_probs = torch.zeros_like(logits, dtype=torch.float32).scatter_add_(-1, candidates[0], q[0])
         return tokens[0].tolist(), draft_probs
-    proposals = _pick(logits, temperature, generator).tolist()
-    return proposals, (_probs(logits, temperature) if temperature > 0 else None)
+    if temperature <= 0:
+        return logits.argmax(-1).tolist(), None
+    draft_probs = sampling_probs(logits, temperature, top_k, top_p)
+    return torch.multinomial(draft_probs, 1, generator=generator)[:, 0].tolist(), draft_probs
 
 
 @torch.inference_mode()
@@ -205,8 +236,12 @@ def speculative_generate(
     stop_token_ids: Sequence[int] = (),
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> Generation:
-    """Block speculative decoding of one prompt (batch 1) with the drafter proposing every block."""
+    """Block speculative decoding of one prompt (batch 1) with the drafter proposing every block;
+    with temperature > 0 every token is sampled from the target's distribution cut by top_k/top_p."""
     block_size, layer_ids = drafter.block_size, drafter.target_layer_ids
     device = target.get_input_embeddings().weight.device
     stop = set(stop_token_ids)
@@ -218,7 +253,7 @@ def speculative_generate(
 
     cache = _new_cache(target)
     logits, context_features = _target_step(target, prompt_ids, 0, cache, layer_ids, logits_to_keep=1)
-    tokens = list(prompt_ids) + _pick(logits[-1:], temperature, generator).tolist()
+    tokens = list(prompt_ids) + _pick(logits[-1:], temperature, generator, top_k, top_p).tolist()
     # tokens[start] is the newest token: produced, but not yet run through the target.
     start = len(prompt_ids)
     stopped = tokens[start] in stop
@@ -227,7 +262,16 @@ def speculative_generate(
         proposals, draft_probs = [], None
         if size > 1:
             proposals, draft_probs = _propose(
-                drafter, target, context_features, tokens[start], start, size, temperature, generator
+                drafter,
+                target,
+                context_features,
+                tokens[start],
+                start,
+                size,
+                temperature,
+                generator,
+                top_k,
+                top_p,
             )
         block = [tokens[start], *proposals]
         logits, block_features = _target_step(target, block, start, cache, layer_ids)
@@ -237,10 +281,13 @@ def speculative_generate(
             next_token = int(logits[accepted].argmax())
         elif proposals:
             accepted, next_token = _rejection_sample(
-                torch.tensor(proposals, device=device), draft_probs, _probs(logits, temperature), generator
+                torch.tensor(proposals, device=device),
+                draft_probs,
+                sampling_probs(logits, temperature, top_k, top_p),
+                generator,
             )
         else:
-            accepted, next_token = 0, int(_pick(logits[-1:], temperature, generator))
+            accepted, next_token = 0, int(_pick(logits[-1:], temperature, generator, top_k, top_p))
         for k in range(len(proposals)):
             drafted[k] += 1
             accepted_at[k] += k < accepted
@@ -274,6 +321,9 @@ def autoregressive_generate(
     stop_token_ids: Sequence[int] = (),
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> Generation:
     """Plain decoding with the target, one token per forward over a KV cache: the baseline."""
     device = target.get_input_embeddings().weight.device
@@ -282,10 +332,10 @@ def autoregressive_generate(
     began = time.perf_counter()
     cache = _new_cache(target)
     logits, _ = _target_step(target, prompt_ids, 0, cache, None, logits_to_keep=1)
-    new_tokens = _pick(logits[-1:], temperature, generator).tolist()
+    new_tokens = _pick(logits[-1:], temperature, generator, top_k, top_p).tolist()
     while len(new_tokens) < max_new_tokens and new_tokens[-1] not in stop:
         logits, _ = _target_step(target, new_tokens[-1:], len(prompt_ids) + len(new_tokens) - 1, cache, None)
-        new_tokens += _pick(logits[-1:], temperature, generator).tolist()
+        new_tokens += _pick(logits[-1:], temperature, generator, top_k, top_p).tolist()
     _synchronize(device)
     return Generation(
         new_tokens=new_tokens, seconds=time.perf_counter() - began, target_forwards=len(new_tokens)

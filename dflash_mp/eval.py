@@ -2,11 +2,16 @@
 
     python -m dflash_mp.eval RUN_DIR | EXPORT_DIR | CHECKPOINT_DIR [--step N] [--target PATH]
         [--prompts FILE.jsonl ...] [--num-prompts N] [--max-new-tokens N] [--temperature T] [--out FILE]
+    python -m dflash_mp.eval RUN_DIR --benchmarks [NAME=]FILE ... [--limit N] [--max-new-tokens N]
+        [--temperature T ...] [--thinking both|on|off] [--top-k K] [--top-p P] [--out FILE]
         [--server URL [--served-only] [--tolerance 0.1] ...]
 
 Decodes every prompt with the drafter proposing each block (`dflash_mp.decoding`; a DFlash 2
 drafter proposes through its candidate selector) and plainly with the target, and writes tau
 (mean acceptance length), per-position acceptance and the speedup (`dflash_mp.evaluation`).
+With --benchmarks: the table over standard benchmark files (GSM8K, MATH-500, AIME, HumanEval,
+MBPP, LiveCodeBench, MT-Bench, Alpaca; `dflash_mp.benchmark_sets`), at temperatures 0 and 1 and
+with thinking on and off where the chat template has the switch (`dflash_mp.benchmark_table`).
 With --server, a running vLLM or SGLang server decodes the same prompts and its own acceptance
 counters are printed beside tau (`dflash_mp.served_acceptance`).
 """
@@ -18,6 +23,9 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from dflash_mp.benchmark_sets import BenchmarkError, resolve_benchmarks
+from dflash_mp.benchmark_table import format_benchmark_table, plan_table, run_table
 
 # The decoding loop and the evaluator live in their own modules; their names stay importable here.
 from dflash_mp.decoding import (  # noqa: F401
@@ -50,6 +58,9 @@ from dflash_mp.served_acceptance import (
     report_served_only,
     served_summary,
 )
+
+# The DFlash authors' evaluation decodes up to 2048 new tokens (github.com/z-lab/dflash, benchmark.py).
+BENCHMARK_MAX_NEW_TOKENS = 2048
 
 # ----------------------------------------------------------------------------------------
 # command line
@@ -89,8 +100,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--num-prompts", type=int, default=16, help="prompts used, from the start (default 16)"
     )
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help=f"new tokens per prompt (default 64; with --benchmarks {BENCHMARK_MAX_NEW_TOKENS}, the DFlash eval's)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        nargs="+",
+        help="0: greedy (default); > 0: sampling. With --benchmarks one column each (default: 0 1)",
+    )
+    parser.add_argument(
+        "--benchmarks",
+        nargs="+",
+        metavar="[NAME=]FILE",
+        help="benchmark files (JSONL/Parquet) as their publishers distribute them: the acceptance table",
+    )
+    parser.add_argument(
+        "--limit", type=int, help="with --benchmarks: the first N records of each (default all)"
+    )
+    parser.add_argument(
+        "--thinking",
+        choices=("both", "on", "off"),
+        default="both",
+        help="with --benchmarks: enable_thinking values, where the chat template has the switch",
+    )
+    parser.add_argument("--top-k", type=int, help="sampling top-k (default: the target's generation_config)")
+    parser.add_argument(
+        "--top-p", type=float, help="sampling top-p (default: the target's generation_config)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
     parser.add_argument(
@@ -107,9 +146,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="DFlash 2: propose the LM head's argmax (or sample) at each position, bypassing the selector",
     )
-    parser.add_argument("--out", type=Path, help="result JSON (default: RUN_DIR/eval.json, else ./eval.json)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="result JSON (default: RUN_DIR/eval.json, with --benchmarks RUN_DIR/eval-benchmarks.json; "
+        "else in the current directory)",
+    )
     add_served_arguments(parser)
     args = parser.parse_args(argv)
+    problem = _sampling_problem(args)
+    if problem:
+        parser.error(problem)
 
     from omegaconf import OmegaConf
 
@@ -117,15 +164,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dflash_mp.embedded import embedded_path
 
     try:
+        # A missing or unknown benchmark file is refused before anything heavy is read.
+        benchmarks = resolve_benchmarks(args.benchmarks) if args.benchmarks else None
         drafter, run_dir = _load_drafter(args.drafter, args.step)
         run_cfg = OmegaConf.load(run_dir / "config.yaml") if run_dir is not None else None
         target_path = args.target or (
             run_cfg.model.target_path if run_cfg is not None else str(embedded_path("target"))
         )
         run_data = run_cfg.data if run_cfg is not None else {}
-        prompt_files = held_out_prompt_files(args.prompts or run_data.get("eval_files", []), target_path)
+        if benchmarks is None:
+            prompt_files = held_out_prompt_files(args.prompts or run_data.get("eval_files", []), target_path)
         # The server first: it is quick to fail, and --served-only needs no local target.
-        served = measure_served(args, prompt_files, run_data, str(target_path), drafter.block_size)
+        served = (
+            measure_served(args, prompt_files, run_data, str(target_path), drafter.block_size)
+            if benchmarks is None
+            else None
+        )
         if served is not None and args.served_only:
             return report_served_only(served, args)
         trust_remote_code = args.trust_remote_code or bool(run_cfg and run_cfg.model.trust_remote_code)
@@ -138,8 +192,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_data.get("chat_template_kwargs", {}),
         )
         tokenizer = renderer.tokenizer
+        if benchmarks is not None:  # records, settings and prompt lengths, before the target loads
+            plan = plan_table(
+                renderer,
+                benchmarks,
+                target_path,
+                limit=args.limit,
+                max_new_tokens=args.max_new_tokens or BENCHMARK_MAX_NEW_TOKENS,
+                temperatures=args.temperature or (0.0, 1.0),
+                thinking=args.thinking,
+                top_k=args.top_k,
+                top_p=args.top_p,
+            )
         target = load_target_model(target_path, dtype, device, trust_remote_code)
-        prompts = load_prompts(prompt_files, tokenizer, limit=args.num_prompts, renderer=renderer)
         # The drafter runs in the target's dtype, as an inference engine loads it.
         drafter = drafter.to(device=device, dtype=dtype)
         if args.unary:
@@ -148,32 +213,62 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "--unary needs a DFlash 2 drafter (model.arch=dflash2): this one has no selector"
                 )
             drafter.candidate_selector = None  # the unary-only path, to compare with the served one
-        result = evaluate_acceptance(
-            drafter,
-            target,
-            tokenizer,
-            prompts,
-            args.max_new_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
-            baseline=True,
-            per_prompt=True,
-        )
-    except (EvalError, FileNotFoundError) as e:
+        if benchmarks is not None:
+            result = run_table(plan, drafter, target, seed=args.seed)
+        else:
+            prompts = load_prompts(prompt_files, tokenizer, limit=args.num_prompts, renderer=renderer)
+            result = evaluate_acceptance(
+                drafter,
+                target,
+                tokenizer,
+                prompts,
+                args.max_new_tokens or 64,
+                temperature=args.temperature[0] if args.temperature else 0.0,
+                top_k=args.top_k or 0,
+                top_p=1.0 if args.top_p is None else args.top_p,
+                seed=args.seed,
+                baseline=True,
+                per_prompt=True,
+            )
+            result["prompt_files"] = [str(p) for p in prompt_files]
+    except (EvalError, BenchmarkError, FileNotFoundError) as e:
         print(f"dflash_mp.eval: {e}", file=sys.stderr)
         return 2
-    result.update(
-        drafter=str(args.drafter), target=str(target_path), prompt_files=[str(p) for p in prompt_files]
-    )
+    result.update(drafter=str(args.drafter), target=str(target_path))
+    if benchmarks is None:
+        result["prompt_files"] = [str(p) for p in prompt_files]
     if served is not None:
         result["served"] = served_summary(served, result, args.tolerance)
-    out = args.out or ((run_dir or Path(".")) / "eval.json")
+    name = "eval.json" if benchmarks is None else "eval-benchmarks.json"
+    out = args.out or ((run_dir or Path(".")) / name)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(format_table(result))
+    print(format_table(result) if benchmarks is None else format_benchmark_table(result))
     if served is not None:
         print_served(result["served"])
     print(f"wrote {out}")
     return 0
+
+
+def _sampling_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the sampling and benchmark options, or None."""
+    temperatures = args.temperature or []
+    if args.benchmarks and getattr(args, "server", None):
+        return "--server compares the run's eval prompts; run --benchmarks without it (one at a time)"
+    if any(t < 0 for t in temperatures):
+        return f"--temperature {' '.join(map(str, temperatures))}: must be >= 0"
+    if len(temperatures) > 1 and not args.benchmarks:
+        return "--temperature takes one value without --benchmarks (one table column per value with it)"
+    if args.top_k is not None and args.top_k < 0:
+        return f"--top-k {args.top_k}: must be >= 0 (0: no top-k cut)"
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        return f"--top-p {args.top_p}: must be in (0, 1] (1: no top-p cut)"
+    if args.limit is not None and args.limit < 1:
+        return f"--limit {args.limit}: must be >= 1"
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        return f"--max-new-tokens {args.max_new_tokens}: must be >= 1"
+    if args.benchmarks and args.prompts:
+        return "--benchmarks and --prompts: give one of them (a table, or the held-out prompts)"
+    return None
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_mp.decoding import autoregressive_generate, speculative_generate
+from dflash_mp.decoding import Generation, autoregressive_generate, speculative_generate
 from dflash_mp.models.drafter import DFlashDrafter
 
 
@@ -118,6 +118,14 @@ def held_out_prompt_files(eval_files: Sequence[str], target_path: str) -> list[s
     return [str(embedded_path("data/eval.jsonl"))]
 
 
+def has_held_out_prompts(cfg: Any) -> bool:
+    """Whether training evaluates held-out prompts (data.eval_files, or the embedded target's own);
+    without them eval.every measures eval.benchmarks only."""
+    from dflash_mp.config import is_embedded_target
+
+    return bool(cfg.data.eval_files) or is_embedded_target(cfg.model.target_path)
+
+
 def load_eval_prompts(cfg: Any, tokenizer: Any) -> list[Prompt]:
     """The held-out prompts for evaluation during training: cfg.eval.num_prompts of cfg.data.eval_files
     (the embedded eval set for the embedded target), rendered with the run's chat template."""
@@ -167,7 +175,7 @@ def check_drafter_fits(drafter: DFlashDrafter, target_config: Any) -> None:
         )
 
 
-def _check_lengths(prompts: Sequence[Prompt], max_new_tokens: int, context: int | None) -> None:
+def check_prompt_lengths(prompts: Sequence[Prompt], max_new_tokens: int, context: int | None) -> None:
     if max_new_tokens < 1:
         raise EvalError(f"max_new_tokens={max_new_tokens}: must be >= 1")
     if not prompts:
@@ -188,6 +196,7 @@ def eval_context_problem(cfg: Any) -> str | None:
     """The preflight's eval check: why eval.every's decoding would not fit the target's context
     (None: it fits, or eval.every=0). The same rule the evaluator applies when the drafter starts,
     known here before any worker does."""
+    from dflash_mp.benchmark_table import TrainingBenchmarks
     from dflash_mp.config import read_target_config
     from dflash_mp.data import load_tokenizer
 
@@ -197,7 +206,8 @@ def eval_context_problem(cfg: Any) -> str | None:
     tokenizer = load_tokenizer(
         cfg.model.target_path, cfg.model.trust_remote_code, require_chat_template=not cfg.data.chat_template
     )
-    prompts = load_eval_prompts(cfg, tokenizer)
+    prompts = load_eval_prompts(cfg, tokenizer) if has_held_out_prompts(cfg) else []
+    prompts += TrainingBenchmarks(cfg, tokenizer).first_turn_prompts()
     if not prompts:
         return "no held-out prompts in data.eval_files: add prompts or set eval.every=0"
     longest = max(prompts, key=lambda p: len(p.input_ids))
@@ -209,7 +219,7 @@ def eval_context_problem(cfg: Any) -> str | None:
         f"up to {len(longest.input_ids)} tokens ({longest.source}), {len(longest.input_ids) + new_tokens} "
         f"positions, beyond the target's max_position_embeddings={context} (model.target_path="
         f"{cfg.model.target_path}): set eval.max_new_tokens<={context - len(longest.input_ids)}, use "
-        "shorter prompts in data.eval_files, or eval.every=0"
+        "shorter prompts in data.eval_files or eval.benchmarks, or eval.every=0"
     )
 
 
@@ -233,22 +243,23 @@ def evaluate_acceptance(
     max_new_tokens: int,
     *,
     temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
     seed: int = 0,
     baseline: bool = False,
     per_prompt: bool = False,
 ) -> dict[str, Any]:
-    """Speculative decoding of every prompt; returns tau and friends as plain JSON-able numbers.
-
-    tau is the mean acceptance length (tokens per verify forward, bonus included, as in the DFlash
-    paper); acceptance_rate[k-1] the fraction of rounds whose block index k was accepted.
-    `baseline` also decodes every prompt autoregressively for the speedup (and, greedy, checks that
-    both outputs are identical). The drafter is put in eval mode for the call and restored after.
+    """Speculative decoding of every prompt; returns tau and friends as plain JSON-able numbers
+    (`acceptance_summary`). Sampling (temperature > 0) draws from the distributions cut by top_k
+    and top_p (0 and 1: uncut). `baseline` also decodes every prompt autoregressively for the
+    speedup. The drafter is put in eval mode for the call and restored after.
     """
     check_drafter_fits(drafter, target_model.config)
     context = getattr(target_model.config.get_text_config(), "max_position_embeddings", None)
-    _check_lengths(prompts, max_new_tokens, context)
+    check_prompt_lengths(prompts, max_new_tokens, context)
     stops = stop_token_ids(tokenizer, target_model)
     device = target_model.get_input_embeddings().weight.device
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     # One generator per evaluation: the same seed gives the same samples on every call.
     generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     was_training = drafter.training
@@ -256,12 +267,43 @@ def evaluate_acceptance(
     try:
         runs = [
             speculative_generate(
-                drafter, target_model, p.input_ids, max_new_tokens, stops, temperature, generator
+                drafter, target_model, p.input_ids, max_new_tokens, stops, generator=generator, **sampling
             )
             for p in prompts
         ]
     finally:
         drafter.train(was_training)
+    plain = None
+    if baseline:
+        generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+        plain = [
+            autoregressive_generate(
+                target_model, p.input_ids, max_new_tokens, stops, generator=generator, **sampling
+            )
+            for p in prompts
+        ]
+    return acceptance_summary(
+        prompts, runs, plain, drafter.block_size, max_new_tokens, temperature, per_prompt
+    )
+
+
+def acceptance_summary(
+    prompts: Sequence[Prompt],
+    runs: Sequence[Generation],
+    plain: Sequence[Generation] | None,
+    block_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    per_prompt: bool = False,
+) -> dict[str, Any]:
+    """tau and friends of speculative decodings `runs` of `prompts` (and of their autoregressive
+    decodings `plain`, for the speedup), as plain JSON-able numbers.
+
+    tau is the mean acceptance length (tokens per verify forward, bonus included, as in the DFlash
+    paper); acceptance_rate[k-1] the fraction of rounds whose block index k was accepted;
+    acceptance_length_counts[n-1] the rounds that produced n tokens. Greedy, `plain` also checks
+    that both decodings gave identical outputs.
+    """
     lengths = [n for run in runs for n in run.acceptance_lengths]
     drafted = [sum(column) for column in zip(*(run.drafted for run in runs), strict=True)]
     accepted = [sum(column) for column in zip(*(run.accepted for run in runs), strict=True)]
@@ -270,21 +312,16 @@ def evaluate_acceptance(
     result: dict[str, Any] = {
         "tau": statistics.fmean(lengths) if lengths else 0.0,
         "acceptance_rate": [a / d if d else 0.0 for a, d in zip(accepted, drafted, strict=True)],
-        "acceptance_length_counts": [lengths.count(n) for n in range(1, drafter.block_size + 1)],
+        "acceptance_length_counts": [lengths.count(n) for n in range(1, block_size + 1)],
         "tokens_per_target_forward": new_tokens / sum(run.target_forwards for run in runs),
         "tokens_per_s": new_tokens / seconds,
         "num_prompts": len(prompts),
         "new_tokens": new_tokens,
-        "block_size": drafter.block_size,
+        "block_size": block_size,
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
     }
-    if baseline:
-        generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
-        plain = [
-            autoregressive_generate(target_model, p.input_ids, max_new_tokens, stops, temperature, generator)
-            for p in prompts
-        ]
+    if plain is not None:
         plain_tokens_per_s = sum(len(run.new_tokens) for run in plain) / sum(run.seconds for run in plain)
         result["autoregressive_tokens_per_s"] = plain_tokens_per_s
         result["speedup"] = result["tokens_per_s"] / plain_tokens_per_s
@@ -363,14 +400,24 @@ class AcceptanceEvaluator:
             cfg.model.target_path, trust_remote_code, require_chat_template=not cfg.data.chat_template
         )
         self.target = load_target_model(cfg.model.target_path, dtype, device, trust_remote_code)
-        self.prompts = load_eval_prompts(cfg, self.tokenizer)
+        from dflash_mp.benchmark_table import TrainingBenchmarks
+
+        self.prompts = load_eval_prompts(cfg, self.tokenizer) if has_held_out_prompts(cfg) else []
+        self.benchmarks = TrainingBenchmarks(cfg, self.tokenizer)
         self.max_new_tokens = cfg.eval.max_new_tokens
         context = getattr(self.target.config.get_text_config(), "max_position_embeddings", None)
-        _check_lengths(self.prompts, self.max_new_tokens, context)
+        check_prompt_lengths(
+            self.prompts + self.benchmarks.first_turn_prompts(), self.max_new_tokens, context
+        )
 
     def __call__(self, drafter: DFlashDrafter) -> dict[str, Any]:
         """tau and friends of `drafter` (the bare module, not its DDP wrapper) on the held-out prompts."""
         return evaluate_acceptance(drafter, self.target, self.tokenizer, self.prompts, self.max_new_tokens)
+
+    def measure(self, drafter: DFlashDrafter) -> dict[str, float]:
+        """What an evaluation step logs: tau on the held-out prompts, tau/<name> on each eval.benchmarks."""
+        taus = {"tau": self(drafter)["tau"]} if self.prompts else {}
+        return taus | self.benchmarks.taus(drafter, self.target)
 
 
 def format_table(result: dict[str, Any]) -> str:

@@ -285,10 +285,16 @@ def _model_and_engine(
 
 
 def _request_body(model: str, messages: list[dict], args: Any, index: int, run_data: Any) -> dict:
-    # Plain sampling, as the local sampler draws: no top-p/top-k/min-p from the target's generation_config.
-    body = dict(model=model, messages=messages, max_tokens=args.max_new_tokens, temperature=args.temperature)
+    # The local sampler's settings: --top-k/--top-p when given, else plain sampling (not the target's
+    # generation_config, which the engines would apply by default).
+    temperature = args.temperature[0] if isinstance(args.temperature, list) else (args.temperature or 0.0)
+    body = dict(model=model, messages=messages, max_tokens=args.max_new_tokens or 64, temperature=temperature)
+    top_k, top_p = getattr(args, "top_k", None), getattr(args, "top_p", None)
     body.update(
-        top_p=1.0, top_k=-1, min_p=0.0, **({"seed": args.seed + index} if args.temperature > 0 else {})
+        top_p=1.0 if top_p is None else top_p,
+        top_k=top_k or -1,
+        min_p=0.0,
+        **({"seed": args.seed + index} if temperature > 0 else {}),
     )
     kwargs = run_data.get("chat_template_kwargs", None)
     if kwargs:

@@ -255,7 +255,7 @@ def _run_role(cfg, job, run_dir: Path) -> None:
         if evaluator is not None and (record["step"] % cfg.eval.every == 0 or record["step"] == steps):
             watchdog.beat("eval", trainer.step)
             with trainer.full_precision_weights():
-                record["tau"] = evaluator(trainer.drafter)["tau"]
+                record.update(evaluator.measure(trainer.drafter))  # tau, and tau/<name> per eval.benchmarks
             trainer.restart_step_clock()  # evaluation time is not training throughput
         metrics.log(record)
         if checkpoint_due(record["step"]):

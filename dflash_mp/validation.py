@@ -234,13 +234,31 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
 
     _at_least(problems, "watchdog.timeout_s", cfg.watchdog.timeout_s, 0.0, " (0 disables)")
     _at_least(problems, "eval.every", cfg.eval.every, 0, " (0 disables)")
-    if cfg.eval.every and not cfg.data.eval_files and not is_embedded_target(str(m.target_path)):
+    benchmarks = cfg.eval.benchmarks
+    if (
+        cfg.eval.every
+        and not cfg.data.eval_files
+        and not benchmarks
+        and not is_embedded_target(str(m.target_path))
+    ):
         # The embedded toy prompts say nothing about a real target's acceptance length.
         problems.append(
             f"eval.every={cfg.eval.every} measures tau on held-out prompts, but data.eval_files is empty: "
             "set data.eval_files=[/path/eval.jsonl] (prompts in the training data's format, not in "
-            "data.train_files), or eval.every=0 to train without it"
+            "data.train_files) or +eval.benchmarks.NAME=FILE, or eval.every=0 to train without it"
         )
+    if benchmarks and not cfg.eval.every:
+        problems.append(
+            f"eval.benchmarks={dict(benchmarks)!r} are measured every eval.every steps, but eval.every=0: "
+            "set eval.every=N (or drop eval.benchmarks and run `python -m dflash_mp.eval RUN_DIR --benchmarks` "
+            "after training)"
+        )
+    from dflash_mp.benchmark_sets import benchmark_problem
+
+    for name, path in (benchmarks or {}).items():
+        problem = benchmark_problem(str(path), str(name))
+        if problem is not None:
+            problems.append(f"eval.benchmarks.{name}={path!r}: {problem}")
     _choice(problems, "logger.backend", cfg.logger.backend, ("none", "wandb"))
     _choice(problems, "logger.mode", cfg.logger.mode, ("offline", "online", "disabled"))
 
