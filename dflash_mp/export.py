@@ -1,5 +1,5 @@
 """HF-format drafter export (`config.json`, `model.safetensors`, `modeling_dflash.py`) that the
-reference `dflash`, `AutoModel(..., trust_remote_code=True)`, SGLang and vLLM load (README: Serve it).
+reference `dflash`, `AutoModel(..., trust_remote_code=True)`, SGLang and vLLM load (docs/evaluation-and-serving.md: Serve it).
 
     python -m dflash_mp.export RUN_DIR [--step N] [--out DIR] [--dtype bfloat16|float32]
 
@@ -165,7 +165,8 @@ def vllm_path_note(out_dir: str | Path) -> str | None:
         return None
     return (
         f"note: vLLM detects a DFlash drafter by 'dflash' in its path, which {out_dir} lacks: pass "
-        '"method": "dflash" in --speculative-config, or export to a path that contains it (README: Serve it)'
+        '"method": "dflash" in --speculative-config, or export to a path that contains it '
+        "(docs/evaluation-and-serving.md: Serve it)"
     )
 
 

@@ -145,7 +145,7 @@ def test_dflash2_training_reports_selector_metrics_and_starts_as_dflash() -> Non
 def test_unary_evaluation_bypasses_the_selector(
     trained: dict, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`eval --unary` decodes a DFlash 2 export with the LM head alone (the README's served vs
+    """`eval --unary` decodes a DFlash 2 export with the LM head alone (BENCHMARKS.md's served vs
     unary comparison): the selector's walk is never called, and tau is the selector-free loop's."""
     from dflash_mp.eval import main
     from dflash_mp.models.dflash2 import CandidateSelector

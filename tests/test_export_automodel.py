@@ -1,6 +1,7 @@
 """An export loads through `AutoModel.from_pretrained(dir, trust_remote_code=True)`, as the published
 drafters do, into our own modelling file, and computes what the reference `dflash` package computes
-from the same export; its config.json carries what SGLang and vLLM key on (README: Serve it)."""
+from the same export; its config.json carries what SGLang and vLLM key on
+(docs/evaluation-and-serving.md: Serve it)."""
 
 from __future__ import annotations
 
