@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dflash_mp.models.parallel_styles import ExpertsParallel, PerHeadParameters
+from dflash_mp.models.target_kernels import is_moe
 
 _LAYER_PREFIX = "layers.*."
 _COLWISE = ("colwise", "local_colwise")
@@ -50,10 +51,6 @@ _EXPERT_STYLES = (
 _PER_HEAD_PARAMETERS = ("sinks",)
 _PER_HEAD_STYLES = (*_COLWISE, *_ROWWISE, "local")
 _EXPERTS = "experts"
-
-
-def _is_moe(config: Any) -> bool:
-    return any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def _experts_path(path: str) -> str | None:
@@ -106,7 +103,7 @@ def layer_plan(config: Any) -> dict[str, ParallelStyle]:
     for pattern, style in tp_plan.items():
         _add(styles, "base_model_tp_plan", pattern, style)
     splits_experts = any(isinstance(style, ExpertsParallel) for style in styles.values())
-    if _is_moe(config) and not splits_experts:
+    if is_moe(config) and not splits_experts:
         ep_plan = getattr(config, "base_model_ep_plan", None) or {}
         for pattern, style in ep_plan.items():
             _add(styles, "base_model_ep_plan", pattern, style)
