@@ -46,6 +46,7 @@ GPT_OSS_ATTENTION_PLAN = {
     "layers.*.mlp.experts.down_proj_bias": "grouped_gemm",
 }
 CASES = (*FAMILIES, "gpt_oss_attention_plan")
+COMPILED = "qwen3_moe"  # gpt-oss's sink attention runs outside compiled graphs on CPU
 
 
 def _targets(out: Path) -> dict[str, str]:
@@ -70,9 +71,10 @@ def _extractor(case: str, targets: dict[str, str], mesh=None) -> TargetFeatureEx
     return TargetFeatureExtractor(targets[case], LAYER_IDS, torch.float32, "cpu", mesh=mesh)
 
 
-def _run(case: str, targets: dict[str, str], mesh=None) -> dict:
-    """Features on HF's kernels, then on the fast ones; the shapes a rank holds of the last layer
-    (full attention in every family)."""
+def _run(case: str, targets: dict[str, str], mesh=None, compiled: bool = False) -> dict:
+    """Features on HF's kernels, then on the fast ones (and, `compiled`, with the layers compiled
+    as a GPU target rank compiles them, on aot_eager: no C++ build); the shapes a rank holds of the
+    last layer (full attention in every family)."""
     extractor = _extractor(case, targets, mesh)
     layer = extractor.decoder.layers[LAYER_IDS[-1]]
     weights = {
@@ -91,6 +93,9 @@ def _run(case: str, targets: dict[str, str], mesh=None) -> dict:
     result["hf"] = extractor(TOKENS)
     result["experts"] = extractor.use_fast_kernels()["experts"]
     result["fast"] = extractor(TOKENS)
+    if compiled:  # one graph per layer: the experts' all-reduce traces without a break
+        extractor.compile_layers(backend="aot_eager", fullgraph=True)
+        result["compiled"] = extractor(TOKENS)
     return result
 
 
@@ -104,7 +109,10 @@ def _worker(rank: int, world_size: int, port: int, targets: dict[str, str], out:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         mesh = replica_mesh(dist.new_group(ranks=list(range(world_size))), torch.device("cpu"))
-        torch.save({case: _run(case, targets, mesh) for case in CASES}, Path(out) / f"rank{rank}.pt")
+        torch.save(
+            {case: _run(case, targets, mesh, compiled=case == COMPILED) for case in CASES},
+            Path(out) / f"rank{rank}.pt",
+        )
         dist.destroy_process_group()
     except BaseException:
         (Path(out) / f"rank{rank}.err").write_text(traceback.format_exc())
@@ -152,6 +160,8 @@ def test_a_two_rank_moe_replica_gives_the_hidden_states_of_one_rank(replica_resu
         assert result["oversized"] == []
         for kernels in ("hf", "fast"):
             torch.testing.assert_close(result[kernels], single[kernels], atol=1e-5, rtol=1e-5)
+        if case == COMPILED:
+            torch.testing.assert_close(result["compiled"], single["fast"], atol=1e-5, rtol=1e-5)
         # Every expert is on every rank, with half its intermediate width.
         for weight in ("gate_up_proj", "down_proj"):
             local, full = result[f"{weight}_shape"], single[f"{weight}_shape"]
