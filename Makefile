@@ -80,7 +80,7 @@ bench: setup ## GPU benchmark (SHAPE=qwen3-8b|qwen3-4b|llama3-70b|tiny DEVICE=au
 	NCCL_NVLS_ENABLE=0 $(PY) -m torch.distributed.run --standalone --nproc-per-node $(BENCH_RANKS) bench/bench.py \
 		--shape $(SHAPE) --device $(DEVICE) $(if $(BENCH_OUT),--out $(BENCH_OUT)) $(BENCH_ARGS)
 
-plan: setup ## Best layout for GPUS=8 from a benchmark JSON: BENCH=path [TARGET=hf-dir] ARGS=--json
+plan: setup ## Best layout for GPUS=8 from a benchmark JSON: BENCH=path [TARGET=hf-dir|preset] ARGS=--json
 	$(PY) -m dflash_mp.plan --gpus $(GPUS) --bench $(BENCH) $(if $(TARGET),--target $(TARGET)) $(ARGS)
 
 clean: ## Remove .venv and local run outputs

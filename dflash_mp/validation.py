@@ -328,6 +328,11 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
                 problems += drafter_config_problems(m, target, ids)
         problems += mask_token_problems(cfg.model, target_dir)
         problems += target_parallel_head_problems(t.target_parallel, target)
+        if isinstance(t.target_parallel, int) and t.target_parallel > 1:
+            # torch and transformers come in only for a replica that needs them.
+            from dflash_mp.models.tensor_parallel import plan_problems
+
+            problems += plan_problems(target, t.target_parallel)
         max_positions = target.get("max_position_embeddings")
         if max_positions is not None and d.max_length > max_positions:
             problems.append(

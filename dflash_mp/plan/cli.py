@@ -6,14 +6,12 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-from dflash_mp.config import read_target_config
-from dflash_mp.embedded import embedded_path
 from dflash_mp.plan import PlanError
-from dflash_mp.plan.costs import ModelShape, Workload, shape_from_hf_config, target_params
-from dflash_mp.plan.layouts import Candidate, Options, StageModel, candidates, stage_model
-from dflash_mp.plan.measured import BenchRecord, gpu_memory_gb, read_bench
+from dflash_mp.plan.costs import ModelShape, Workload, target_layer_params, target_layers_run, target_params
+from dflash_mp.plan.layouts import TP_WIDTHS, Candidate, Options, StageModel, candidates, stage_model
+from dflash_mp.plan.measured import BenchRecord, FamilyRecord, gpu_memory_gb, read_bench, read_families
+from dflash_mp.plan.targets import DEFAULT_FAMILIES, FamilyMatch, match_family, resolve_target
 
 # Without a benchmark JSON: the paper recipe (conf/experiment/paper.yaml, conf/model/qwen3-8b.yaml).
 PAPER_WORKLOAD = Workload(seq_len=3072, num_anchors=512, block_size=16, draft_layers=5, micro_batch=1)
@@ -33,6 +31,10 @@ class Plan:
     candidates: list[Candidate]
     left_out: list[str]
     eval_target_gb: float  # the whole target, which the first drafter rank loads to evaluate tau
+    target_source: str  # where the target's shape came from
+    config: dict  # the target's config.json numbers ({} for the benchmark's shape)
+    family: FamilyMatch | None  # the target-families entry its target stage comes from
+    target_mfu: float | None  # the target stage's measured MFU (assumed, when scaled from an entry)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -44,7 +46,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, required=True, help="GPUs the job gets (world size)")
     p.add_argument("--bench", help="bench/bench.py result JSON: stage rates, peak memories, device, shape")
     p.add_argument(
-        "--target", help="the target's HF directory (config.json), or 'embedded'; default: the bench shape"
+        "--target",
+        help="the target: its HF directory (config.json), 'embedded', a preset (conf/experiment: "
+        "qwen3.5-9b, gpt-oss-120b, ...) or an entry of --families; default: the bench shape",
+    )
+    p.add_argument(
+        "--families",
+        default=str(DEFAULT_FAMILIES) if DEFAULT_FAMILIES.is_file() else None,
+        help="bench/target_families.py result JSON: the target stage per family "
+        f"(default: {DEFAULT_FAMILIES.relative_to(DEFAULT_FAMILIES.parents[2])} where present)",
     )
     p.add_argument(
         "--gpu-memory-gb", type=float, help="memory per GPU; default: from the bench JSON's device name"
@@ -66,21 +76,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _target_shape(target: str) -> ModelShape:
-    if target == "embedded":
-        directory = embedded_path("target")
-    else:
-        path = Path(target)
-        directory = path.parent if path.name == "config.json" else path
-    if not (directory / "config.json").is_file():
-        raise PlanError(f"--target {target}: no config.json in {directory} (give the target's HF directory)")
-    try:
-        config = read_target_config(str(directory))
-    except json.JSONDecodeError as e:
-        raise PlanError(f"--target {target}: config.json is not JSON ({e})") from e
-    return shape_from_hf_config(config, name=directory.name)
-
-
 def _check(args: argparse.Namespace) -> None:
     problems = []
     if args.gpus < 1:
@@ -96,10 +91,10 @@ def _check(args: argparse.Namespace) -> None:
             problems.append(f"{flag} {value}: must be positive")
     if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
         problems.append(f"--gpu-memory-gb {args.gpu_memory_gb}: must be positive")
-    if not args.bench and not (args.target and args.target_ms and args.drafter_ms and args.gpu_memory_gb):
+    if not args.bench and not (args.target and args.drafter_ms and args.gpu_memory_gb):
         problems.append(
-            "--bench FILE is needed (a bench/bench.py JSON), or all of --target, --target-ms, --drafter-ms "
-            "and --gpu-memory-gb"
+            "--bench FILE is needed (a bench/bench.py JSON), or all of --target, --drafter-ms and "
+            "--gpu-memory-gb (and --target-ms where --families has no entry for the target)"
         )
     if problems:
         raise PlanError("; ".join(problems))
@@ -109,8 +104,18 @@ def make_plan(args: argparse.Namespace) -> Plan:
     """The plan for parsed arguments; bad input raises PlanError before anything is computed."""
     _check(args)
     bench: BenchRecord | None = read_bench(args.bench) if args.bench else None
-    shape = _target_shape(args.target) if args.target else bench.shape
-    workload = bench.workload if bench else PAPER_WORKLOAD
+    families: dict[str, FamilyRecord] = read_families(args.families) if args.families else {}
+    bench_workload = bench.workload if bench else PAPER_WORKLOAD
+    family, refused_by_plan, config = None, {}, {}
+    if args.target:
+        planned = resolve_target(args.target, families, bench_workload.micro_batch)
+        shape, target_source = planned.shape, planned.source
+        workload = planned.workload or bench_workload
+        family = match_family(planned, workload, families)
+        refused_by_plan = planned.refused_widths(TP_WIDTHS)
+        config = planned.config
+    else:
+        shape, workload, target_source = bench.shape, bench_workload, f"--bench {bench.path}"
     memory = args.gpu_memory_gb or (
         gpu_memory_gb(bench.device_name) if bench and bench.device == "cuda" else None
     )
@@ -127,7 +132,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
         target_ms=args.target_ms,
         drafter_ms=args.drafter_ms,
     )
-    stage = stage_model(shape, workload, bench, opts)
+    stage = stage_model(shape, workload, bench, opts, family, refused_by_plan)
+    target_mfu = None  # measured (or, scaled from a families entry, the entry's)
+    if family is not None and args.target_ms is None:
+        target_mfu = family.record.mfu
+    elif bench and stage.target_rate[1].source == "measured":
+        target_mfu = bench.target_mfu
     found, left_out = candidates(stage, opts)
     return Plan(
         gpus=args.gpus,
@@ -140,6 +150,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
         candidates=found,
         left_out=left_out,
         eval_target_gb=2 * target_params(shape) / 1e9,
+        target_source=target_source,
+        config=config,
+        family=family,
+        target_mfu=target_mfu,
     )
 
 
@@ -169,14 +183,58 @@ def _input_rows(stage: StageModel) -> list[tuple[str, object]]:
     return rows
 
 
+def target_stage(plan: Plan) -> dict:
+    """Where the target stage's time came from: the families entry (measured or extrapolated), or not."""
+    rate = plan.stage.target_rate[1]
+    stage = {"source": rate.source, "how": rate.how, "ms": 1e3 / rate.value, "mfu": plan.target_mfu}
+    if plan.family is None or rate.source == "given":
+        return stage
+    record = plan.family.record
+    active_run = target_layers_run(plan.shape, plan.workload) * target_layer_params(plan.shape, active=True)
+    return {
+        **stage,
+        "file": record.path,
+        "entry": record.entry,
+        "entry_ms": record.target_ms,
+        "kernels": record.kernels,
+        "device": record.device_name,
+        "entry_active_params_run": record.active_params_run,
+        "active_params_run": active_run,
+    }
+
+
+def _stage_line(plan: Plan) -> str:
+    stage = target_stage(plan)
+    if "entry" not in stage:
+        return f"target stage: {stage['source']} ({stage['how'] or 'the benchmark ran this shape'})"
+    where = f"{stage['file']} entry {stage['entry']!r}"
+    kernels = ", ".join(f"{kind} {name}" for kind, name in stage["kernels"].items())
+    mfu = f"MFU {stage['mfu']:.2f}" if stage["mfu"] else "MFU not measured"
+    if plan.family.exact:
+        return (
+            f"target stage: measured, {where}: {stage['ms']:.1f} ms per {plan.workload.seq_len}-token "
+            f"sequence on {stage['device']}, {mfu}; kernels: {kernels}"
+        )
+    return (
+        f"target stage: extrapolated from {where} ({stage['entry_ms']:.1f} ms, "
+        f"{stage['entry_active_params_run'] / 1e9:.2f}B active parameters run) by FLOPs (active parameters "
+        f"x tokens): {stage['active_params_run'] / 1e9:.2f}B active run -> {stage['ms']:.1f} ms at the "
+        f"entry's {mfu}; kernels as the entry: {kernels}"
+    )
+
+
 def render_text(plan: Plan) -> str:
     w, s = plan.workload, plan.shape
+    active = target_layer_params(s, active=True) != target_layer_params(s)
+    active_params = s.layers * target_layer_params(s, active=True) / 1e9
     lines = [
         f"Plan for {plan.gpus} GPU(s) of {plan.gpu_memory_gb:g} GB ({plan.usable_gb:.1f} GB usable, --usable-fraction)",
-        f"target {s.name or 'from --target'}: {target_params(s) / 1e9:.1f}B parameters, hidden {s.hidden}, "
-        f"{s.layers} layers, {s.heads}/{s.kv_heads} heads; sample: {w.seq_len} tokens, {w.num_anchors} anchors "
-        f"x block {w.block_size}, {w.draft_layers} draft layers, micro-batch {w.micro_batch}"
+        f"target {s.name or 'from --target'} ({plan.target_source}): {target_params(s) / 1e9:.1f}B parameters"
+        + (f" ({active_params:.1f}B active in its layers)" if active else "")
+        + f", hidden {s.hidden}, {s.layers} layers, {s.heads}/{s.kv_heads} heads; sample: {w.seq_len} tokens, "
+        f"{w.num_anchors} anchors x block {w.block_size}, {w.draft_layers} draft layers, micro-batch {w.micro_batch}"
         + (f"; rates from {plan.bench}" if plan.bench else ""),
+        _stage_line(plan),
         "",
         f"{'input':<44} {'value':>8}  source",
     ]
@@ -193,6 +251,12 @@ def render_text(plan: Plan) -> str:
         lines.append(f"{c.layout:<26} {c.samples_per_s:>9.2f}  {memory:<22} {c.limited_by:<24} {c.overrides}")
     if plan.left_out:
         lines += ["", "left out:"] + [f"  {reason}" for reason in plan.left_out]
+    whole = plan.stage.target_gb[1].value
+    if whole > plan.usable_gb:
+        lines.append(
+            f"the target does not fit one GPU ({whole:.1f} GB at TP=1 > {plan.usable_gb:.1f} GB usable): "
+            "only tensor-parallel replicas (topology.target_parallel >= 2) can run it"
+        )
     lines.append("")
     if not plan.candidates:
         lines.append(
@@ -234,6 +298,8 @@ def plan_dict(plan: Plan) -> dict:
         "workload": asdict(plan.workload),
         "workload_overrides": workload_overrides(plan.workload),
         "bench": plan.bench,
+        "target_source": plan.target_source,
+        "target_stage": target_stage(plan),
         "inputs": asdict(plan.stage),
         "candidates": [asdict(c) for c in plan.candidates],
         "left_out": plan.left_out,

@@ -6,6 +6,11 @@ plus an activation estimate whose terms follow what stays alive at the peak; at 
 they give 0.47 GB for the target and 7.2 GB for the drafter, against 0.48 and 6.7 GB measured
 (bench/results/h200x2-qwen3-8b.json), and where the benchmark measured a peak the plan scales the
 measured activation by these estimates instead of using them raw.
+
+A target whose layers the dense formula does not describe (mixture of experts, linear attention,
+MLA) is counted on transformers' own model built on the meta device (no memory): its parameters
+per layer, all of them for memory and the routed experts at top-k / experts for FLOPs. Its
+drafter is the dense layer models/drafter_config.py builds for it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ LOSS_CHUNK_ROWS = 2048
 # Anchors sit in the response, on average three quarters into the sequence (the benchmark's data).
 MEAN_ANCHOR_POSITION = 0.75
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_MLA_KEYS = ("kv_lora_rank", "q_lora_rank")
+_LINEAR_ATTENTION_KEYS = ("linear_num_key_heads", "linear_num_value_heads")  # Qwen3.5, Qwen3-Next
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,13 @@ class ModelShape:
     tied_embeddings: bool = field(default=False, compare=False)
     attention_bias: bool = field(default=False, compare=False)
     name: str = field(default="", compare=False)
+    # Counted (not the dense formula): parameters per target layer, the mean over its layers, all
+    # of them and the active ones (routed experts at top-k / experts); 0 for a dense target, whose
+    # `intermediate` is then its own MLP width and not only its drafter's.
+    layer_params_all: int = 0
+    layer_params_active: int = 0
+    expert_width: int = 0  # a routed expert's intermediate width (a tensor-parallel split divides it)
+    model_type: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -54,30 +68,28 @@ class Workload:
     micro_batch: int = 1
 
 
+def is_dense(config: dict[str, Any]) -> bool:
+    """A decoder the dense formula counts: no experts, no linear attention, no MLA."""
+    layer_types = config.get("layer_types") or []
+    special = (*_MOE_KEYS, *_MLA_KEYS, *_LINEAR_ATTENTION_KEYS)
+    return not (any(config.get(key) for key in special) or "linear_attention" in layer_types)
+
+
 def shape_from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
-    """The shape of a dense decoder from its HF config.json (a MoE target is refused)."""
-    experts = {key: config[key] for key in _MOE_KEYS if config.get(key)}
-    if experts:
-        key, value = next(iter(experts.items()))
-        raise PlanError(
-            f"--target {name}: a mixture-of-experts config ({key}={value}); the plan counts parameters, "
-            "FLOPs and memory of dense decoders only, so it cannot plan this target"
-        )
+    """The target's shape from its HF config.json (the text config of a multimodal one)."""
     missing = [
         key
-        for key in (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "vocab_size",
-        )
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
         if not isinstance(config.get(key), int)
     ]
+    if is_dense(config) and not isinstance(config.get("intermediate_size"), int):
+        missing.append("intermediate_size")
     if missing:
         raise PlanError(
             f"--target {name}: config.json lacks {', '.join(missing)} (not a decoder LLM config?)"
         )
+    if not is_dense(config):
+        return counted_shape(config, name)
     heads = config["num_attention_heads"]
     return ModelShape(
         hidden=config["hidden_size"],
@@ -90,6 +102,53 @@ def shape_from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=bool(config.get("attention_bias", False)),
         name=name,
+        model_type=str(config.get("model_type", "")),
+    )
+
+
+def counted_shape(config: dict[str, Any], name: str) -> ModelShape:
+    """A mixture-of-experts, hybrid or MLA target, counted on its meta-device model."""
+    import torch
+    from transformers import AutoModel
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from dflash_mp.models.drafter_config import drafter_geometry
+
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        what = f"model_type {model_type!r} is not one transformers knows" if model_type else "no model_type"
+        raise PlanError(
+            f"--target {name}: config.json has {what}; the plan counts a mixture-of-experts, hybrid or "
+            "MLA target's parameters on transformers' own model of that type"
+        )
+    hf_config = CONFIG_MAPPING[model_type].from_dict(config)
+    with torch.device("meta"):
+        layers = AutoModel.from_config(hf_config).layers
+    experts = next((getattr(hf_config, key) for key in _MOE_KEYS if getattr(hf_config, key, None)), 0)
+    top_k = getattr(hf_config, "num_experts_per_tok", None) or 1
+    every = active = 0
+    for param_name, param in layers.named_parameters():
+        every += param.numel()
+        routed = experts and ".experts." in param_name and param.dim() >= 2 and param.shape[0] == experts
+        active += param.numel() * top_k // experts if routed else param.numel()
+    drafter = drafter_geometry(config)
+    width = (
+        (getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size) if experts else 0
+    )
+    return ModelShape(
+        hidden=config["hidden_size"],
+        layers=config["num_hidden_layers"],
+        heads=drafter["num_attention_heads"],
+        kv_heads=drafter["num_key_value_heads"],
+        head_dim=drafter["head_dim"],
+        intermediate=drafter["intermediate_size"],
+        vocab=config["vocab_size"],
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        name=name,
+        layer_params_all=every // len(layers),
+        layer_params_active=active // len(layers),
+        expert_width=int(width or 0),
+        model_type=str(model_type),
     )
 
 
@@ -102,10 +161,16 @@ def layer_params(s: ModelShape) -> int:
     return attention + 3 * s.hidden * s.intermediate + 2 * s.hidden + 2 * s.head_dim
 
 
+def target_layer_params(s: ModelShape, active: bool = False) -> int:
+    """One target layer: counted where the shape was, else the dense formula."""
+    counted = s.layer_params_active if active else s.layer_params_all
+    return counted or layer_params(s)
+
+
 def target_params(s: ModelShape) -> int:
     """The whole target, embedding and (untied) LM head included: its size on disk in bf16 / 2."""
     head = 0 if s.tied_embeddings else s.vocab * s.hidden
-    return s.vocab * s.hidden + s.layers * layer_params(s) + s.hidden + head
+    return s.vocab * s.hidden + s.layers * target_layer_params(s) + s.hidden + head
 
 
 def target_layers_run(s: ModelShape, w: Workload) -> int:
@@ -113,12 +178,15 @@ def target_layers_run(s: ModelShape, w: Workload) -> int:
     return max(default_target_layer_ids(s.layers, w.draft_layers)) + 1
 
 
-def target_flops_per_sample(s: ModelShape, w: Workload) -> float:
-    """2 x parameters run x tokens, plus causal attention over the layers run."""
-    run = target_layers_run(s, w)
-    linear = 2 * run * layer_params(s) * w.seq_len
-    attention = 2 * w.seq_len**2 * s.heads * s.head_dim * run
+def target_flops(s: ModelShape, layers_run: int, seq_len: int) -> float:
+    """2 x (active) parameters run x tokens, plus causal attention over the layers run."""
+    linear = 2 * layers_run * target_layer_params(s, active=True) * seq_len
+    attention = 2 * seq_len**2 * s.heads * s.head_dim * layers_run
     return float(linear + attention)
+
+
+def target_flops_per_sample(s: ModelShape, w: Workload) -> float:
+    return target_flops(s, target_layers_run(s, w), w.seq_len)
 
 
 def drafter_trainable_params(s: ModelShape, w: Workload) -> int:
@@ -151,7 +219,8 @@ def drafter_flops_per_sample(s: ModelShape, w: Workload) -> float:
 
 def target_weight_bytes(s: ModelShape, w: Workload, tensor_parallel: int = 1) -> float:
     """Embedding (kept whole on every rank) + the layers run, split over the replica's ranks."""
-    return float(BF16 * (s.vocab * s.hidden + target_layers_run(s, w) * layer_params(s) / tensor_parallel))
+    layers = target_layers_run(s, w) * target_layer_params(s)
+    return float(BF16 * (s.vocab * s.hidden + layers / tensor_parallel))
 
 
 def target_activation_bytes(s: ModelShape, w: Workload, tensor_parallel: int = 1) -> float:

@@ -3,7 +3,8 @@
 A stage number is measured when the benchmark ran the planned shape, scaled when the benchmark ran
 another shape (its time carried by the ratio of FLOPs, its activation memory by the ratio of the
 activation estimates), assumed when a factor stands in for a measurement (tensor-parallel
-efficiency), given by a flag, or estimated from the shape alone.
+efficiency), given by a flag, or estimated from the shape alone. The target stage (its time and
+memory) comes from the target-families measurement instead where targets.py matched an entry.
 """
 
 from __future__ import annotations
@@ -12,16 +13,20 @@ from dataclasses import dataclass, field
 
 from dflash_mp.plan import PlanError
 from dflash_mp.plan.costs import (
+    BF16,
     ModelShape,
     Workload,
     drafter_activation_bytes,
     drafter_flops_per_sample,
     drafter_static_bytes,
     target_activation_bytes,
+    target_flops,
     target_flops_per_sample,
+    target_layers_run,
     target_weight_bytes,
 )
 from dflash_mp.plan.measured import BenchRecord
+from dflash_mp.plan.targets import FamilyMatch
 
 TP_WIDTHS = (1, 2, 4, 8)
 
@@ -74,8 +79,8 @@ class Candidate:
     overrides: str
 
 
-def _same(shape: ModelShape, bench: BenchRecord | None) -> bool:
-    return bench is not None and bench.shape == shape
+def _same(shape: ModelShape, workload: Workload, bench: BenchRecord | None) -> bool:
+    return bench is not None and bench.shape == shape and bench.workload == workload
 
 
 def _rate(ms: float | None, flag: str, measured: float | None, flops_ratio: float, same: bool) -> Number:
@@ -107,14 +112,55 @@ def _memory(
     )
 
 
+def _family_rate(family: FamilyMatch, shape: ModelShape, workload: Workload) -> Number:
+    record = family.record
+    rate = 1e3 / record.target_ms
+    if family.exact:
+        return Number(rate, "measured", f"{record.where()}: target stage {record.target_ms:.1f} ms")
+    planned = target_flops(shape, target_layers_run(shape, workload), workload.seq_len)
+    ratio = target_flops(family.record_shape, record.layers_run, record.seq_len) / planned
+    how = f"{record.where()}: {record.target_ms:.1f} ms x FLOPs ratio {1 / ratio:.3f} (active parameters)"
+    return Number(rate * ratio, "scaled", how)
+
+
+def _family_memory(family: FamilyMatch, shape: ModelShape, workload: Workload, k: int) -> Number:
+    """One target rank's GB: the entry's measured peak (weights + activations at one sequence)."""
+    record = family.record
+    if record.peak_gb is None:  # a CPU run measures no peak
+        weights, activation = (
+            target_weight_bytes(shape, workload, k),
+            target_activation_bytes(shape, workload, k),
+        )
+        return Number((weights + activation) / 1e9, "estimated", "weights + activation estimate")
+    activation = (record.peak_gb - record.weights_gb) * workload.micro_batch
+    if family.exact:
+        if k == 1 and workload.micro_batch == 1:
+            return Number(record.peak_gb, "measured", f"{record.where()}: target stage peak")
+        layers = BF16 * record.params_run / 1e9
+        value = record.weights_gb - layers + layers / k + activation
+        return Number(value, "scaled", f"{record.entry}'s measured peak, its layers' weights / {k}")
+    tokens_x_width = workload.seq_len * shape.hidden / (record.seq_len * family.record_shape.hidden)
+    value = target_weight_bytes(shape, workload, k) / 1e9 + activation * tokens_x_width
+    how = f"weights counted / {k} + {record.entry}'s measured activation x tokens x width"
+    return Number(value, "scaled", how)
+
+
 def stage_model(
-    shape: ModelShape, workload: Workload, bench: BenchRecord | None, opts: Options
+    shape: ModelShape,
+    workload: Workload,
+    bench: BenchRecord | None,
+    opts: Options,
+    family: FamilyMatch | None = None,
+    refused_by_plan: dict[int, str] | None = None,
 ) -> StageModel:
-    """Everything the layouts need, each number with its source; missing rates raise PlanError."""
-    same = _same(shape, bench)
+    """Everything the layouts need, each number with its source; missing rates raise PlanError.
+
+    `refused_by_plan`: widths the target's tensor-parallel plan cannot split, with why."""
+    same = _same(shape, workload, bench)
     b_shape = bench.shape if bench else shape
+    b_workload = bench.workload if bench else workload
     for given, measured, section, flag in (
-        (opts.target_ms, bench and bench.target_rate, "target_only", "--target-ms"),
+        (opts.target_ms, family or (bench and bench.target_rate), "target_only", "--target-ms"),
         (opts.drafter_ms, bench and bench.drafter_rate, "drafter_only", "--drafter-ms"),
     ):
         if given is None and not measured:
@@ -124,10 +170,14 @@ def stage_model(
                 else PlanError(f"no {section} rate: pass --bench or {flag}")
             )
 
-    measured_k = bench.target_parallel if bench and opts.target_ms is None else 1
-    t_ratio = target_flops_per_sample(shape, workload) / target_flops_per_sample(b_shape, workload)
-    base = _rate(opts.target_ms, "--target-ms", bench and bench.target_rate, t_ratio, same)
-    d_ratio = drafter_flops_per_sample(shape, workload) / drafter_flops_per_sample(b_shape, workload)
+    from_family = family is not None and opts.target_ms is None
+    measured_k = bench.target_parallel if bench and opts.target_ms is None and not from_family else 1
+    t_ratio = target_flops_per_sample(shape, workload) / target_flops_per_sample(b_shape, b_workload)
+    if from_family:
+        base = _family_rate(family, shape, workload)
+    else:
+        base = _rate(opts.target_ms, "--target-ms", bench and bench.target_rate, t_ratio, same)
+    d_ratio = drafter_flops_per_sample(shape, workload) / drafter_flops_per_sample(b_shape, b_workload)
     drafter = _rate(opts.drafter_ms, "--drafter-ms", bench and bench.drafter_rate, d_ratio, same)
 
     def tp_factor(k: int) -> float:  # throughput of a k-wide replica relative to one GPU
@@ -138,6 +188,12 @@ def stage_model(
         for k in TP_WIDTHS
         if shape.heads % k or shape.kv_heads % k
     }
+    refused |= {
+        k: f"the experts' intermediate width {shape.expert_width} does not divide by {k}"
+        for k in TP_WIDTHS
+        if k not in refused and shape.expert_width % k
+    }
+    refused |= {k: why for k, why in (refused_by_plan or {}).items() if k not in refused}
     target_rate = {}
     # Widths up to the GPUs left beside one drafter; TP=1 always (colocated uses its rate).
     for k in (k for k in TP_WIDTHS if k not in refused and (k == 1 or k < opts.gpus)):
@@ -158,11 +214,13 @@ def stage_model(
 
     b_k = bench.target_parallel if bench else 1
     target_gb = {
-        k: _memory(
+        k: _family_memory(family, shape, workload, k)
+        if family is not None
+        else _memory(
             target_weight_bytes(shape, workload, k),
             target_activation_bytes(shape, workload, k),
-            target_weight_bytes(b_shape, workload, b_k),
-            target_activation_bytes(b_shape, workload, b_k),
+            target_weight_bytes(b_shape, b_workload, b_k),
+            target_activation_bytes(b_shape, b_workload, b_k),
             bench.target_peak_gb if bench else None,
             same and k == b_k,
         )
@@ -171,12 +229,16 @@ def stage_model(
     drafter_gb = _memory(
         drafter_static_bytes(shape, workload),
         drafter_activation_bytes(shape, workload),
-        drafter_static_bytes(b_shape, workload),
-        drafter_activation_bytes(b_shape, workload),
+        drafter_static_bytes(b_shape, b_workload),
+        drafter_activation_bytes(b_shape, b_workload),
         bench.drafter_peak_gb if bench else None,
         same,
     )
-    colocated_gb = _colocated_memory(shape, workload, bench, same, drafter_gb)
+    if family is not None:
+        total = target_gb[1].value + drafter_gb.value
+        colocated_gb = Number(total, "scaled", "target (families measurement) + drafter")
+    else:
+        colocated_gb = _colocated_memory(shape, workload, bench, same, drafter_gb)
     return StageModel(
         target_rate, drafter, colocated, efficiency, target_gb, drafter_gb, colocated_gb, refused
     )
@@ -205,7 +267,7 @@ def _colocated_memory(
     total = target_bytes / 1e9 + drafter_gb.value
     if measured:
         # The measured colocated peak against the two roles' estimates on the benchmark's shape.
-        b, w = bench.shape, workload
+        b, w = bench.shape, bench.workload
         roles = (target_weight_bytes(b, w) + target_activation_bytes(b, w)) / 1e9
         roles += (drafter_static_bytes(b, w) + drafter_activation_bytes(b, w)) / 1e9
         return Number(

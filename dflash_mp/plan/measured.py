@@ -7,6 +7,7 @@ rates in samples/s (one sample = one sequence), peaks as torch.cuda.max_memory_a
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ class BenchRecord:
     world_size: int
     target_parallel: int
     target_rate: float | None
+    target_mfu: float | None
     drafter_rate: float | None
     colocated_rate_per_gpu: float | None
     pipeline_efficiency: float | None
@@ -163,6 +165,7 @@ def read_bench(path: str | Path) -> BenchRecord:
         world_size=world_size,
         target_parallel=int(setup.get("target_parallel", 1)),
         target_rate=target_rate,
+        target_mfu=(_ok(sections, "target_only") or {}).get("mfu"),
         drafter_rate=drafter_rate,
         colocated_rate_per_gpu=colocated_rate,
         pipeline_efficiency=efficiency,
@@ -171,3 +174,77 @@ def read_bench(path: str | Path) -> BenchRecord:
         colocated_peak_gb=colocated_peak,
         sections=sections,
     )
+
+
+FAMILIES_SCHEMA = "dflash_mp.bench.target_families/1"
+
+
+@dataclass(frozen=True)
+class FamilyRecord:
+    """One entry of bench/target_families.py's JSON: the target stage of one family's shape on one GPU."""
+
+    path: str
+    entry: str  # the key under "shapes", e.g. "qwen3.5-9b"
+    model_type: str
+    config: dict[str, Any]  # the config numbers it ran (the rest: transformers' defaults)
+    seq_len: int
+    layers_run: int
+    params_run: int  # parameters of the layers run (every expert)
+    active_params_run: int  # routed experts counted at top-k / experts
+    weights_gb: float  # embedding + layers run + final norm, as built
+    flops_per_forward: float  # active-parameter matmuls + softmax attention
+    target_ms: float  # the target stage: fast kernels, compiled layers
+    mfu: float | None
+    peak_gb: float | None
+    kernels: dict[str, str]
+    device_name: str
+
+    def where(self) -> str:
+        return f"{self.path} entry {self.entry!r}"
+
+
+def read_families(path: str | Path) -> dict[str, FamilyRecord]:
+    """The measured entries of a target-families JSON (failed or skipped ones left out)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlanError(
+            f"--families {path}: no such file; write one with `python bench/target_families.py` (BENCHMARKS.md)"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"--families {path}: not JSON ({e})") from e
+    if not isinstance(data, dict) or data.get("schema") != FAMILIES_SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise PlanError(
+            f"--families {path}: not a bench/target_families.py result (schema {found!r}, "
+            f"expected {FAMILIES_SCHEMA!r})"
+        )
+    shown = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else str(path)
+    records = {}
+    for entry, shape in (data.get("shapes") or {}).items():
+        if not isinstance(shape, dict) or shape.get("status") != "ok":
+            continue
+        try:
+            stage = shape["variants"]["target_stage"]
+            records[entry] = FamilyRecord(
+                path=shown,
+                entry=entry,
+                model_type=shape["model_type"],
+                config=dict(shape["config"]),
+                seq_len=int(shape["seq_len"]),
+                layers_run=int(shape["layers_run"]),
+                params_run=int(shape["params_layers_run"]),
+                active_params_run=int(shape["active_params_layers_run"]),
+                weights_gb=float(shape["weights_gb"]),
+                flops_per_forward=float(shape["matmul_flops_per_forward"])
+                + float(shape.get("attention_flops_per_forward") or 0),
+                target_ms=float(stage["ms"]),
+                mfu=stage.get("mfu"),
+                peak_gb=stage.get("peak_allocated_gb"),
+                kernels=dict(shape.get("kernels") or {}),
+                device_name=str(data.get("device_name", "")),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"--families {path}: entry {entry!r} lacks {e!r}") from e
+    return records
