@@ -9,7 +9,7 @@ k) + D drafter ranks, by default 1 + 1 on 2 ranks, or 1 rank for both roles.
         --targets 2 --target-parallel 2 --drafters 2                    # one TP=2 replica, 2 drafters
 
 Layouts (`--targets T --drafters D --target-parallel k`, T + D = WORLD_SIZE, k divides T; the
-layout of dflash_mp.topology.Topology): target_only runs on every target rank (a replica's ranks
+layout of dflash_mp.runtime.topology.Topology): target_only runs on every target rank (a replica's ranks
 run each forward together; reported per replica, rank 0's replica at the top), drafter_only on
 every drafter rank (DDP over the drafters when D > 1; the first drafter's at the top), transport
 between rank 0 and the first drafter, pipeline over the whole layout (run_target / run_drafter),
@@ -21,7 +21,7 @@ are skipped when its weights do not fit; a target shard that fits no GPU is refu
 
 Measures in one run, each after warm-up: the bf16 matmul peak of each GPU (the MFU denominator),
 the target alone (rank 0), the drafter alone (rank 1, one resident micro-batch), the transport alone
-(dflash_mp.transport next to raw send/recv), the real pipeline (run_target / run_drafter with a
+(dflash_mp.runtime.transport next to raw send/recv), the real pipeline (run_target / run_drafter with a
 synthetic reader, an in-memory random target and drafter), and the colocated baseline (target +
 drafter in every process, DDP over both). Models are random, built directly on the device.
 On demand (`--sections setup,profile`): a torch.profiler breakdown of a drafter step by phase.
@@ -73,11 +73,11 @@ from options import default_out, layout_from_env, parse_args  # noqa: E402
 from sections import SECTIONS  # noqa: E402
 from summary import print_table, summarize  # noqa: E402
 
-from dflash_mp.distributed import init_job  # noqa: E402
 from dflash_mp.models.drafter import DFlashDrafter  # noqa: E402
-from dflash_mp.target_parallel import replica_mesh  # noqa: E402
-from dflash_mp.topology import Topology  # noqa: E402
-from dflash_mp.trainer import DrafterTrainer, resolve_precision  # noqa: E402
+from dflash_mp.runtime.distributed import init_job  # noqa: E402
+from dflash_mp.runtime.target_parallel import replica_mesh  # noqa: E402
+from dflash_mp.runtime.topology import Topology  # noqa: E402
+from dflash_mp.training.trainer import DrafterTrainer, resolve_precision  # noqa: E402
 
 SCHEMA = "dflash_mp.bench/1"
 # Sections whose ranks talk to each other (besides the exchange after every section): after a

@@ -3,9 +3,9 @@
     python -m dflash_mp.eval RUN_DIR | EXPORT_DIR | CHECKPOINT_DIR [--step N] [--target PATH]
         [--prompts FILE.jsonl ...] [--num-prompts N] [--max-new-tokens N] [--temperature T] [--out FILE]
 
-Decodes every prompt with the drafter proposing each block (`dflash_mp.decoding`; a DFlash 2
+Decodes every prompt with the drafter proposing each block (`dflash_mp.evaluation.decoding`; a DFlash 2
 drafter proposes through its candidate selector) and plainly with the target, and writes tau
-(mean acceptance length), per-position acceptance and the speedup (`dflash_mp.evaluation`).
+(mean acceptance length), per-position acceptance and the speedup (`dflash_mp.evaluation.acceptance`).
 """
 
 from __future__ import annotations
@@ -16,28 +16,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-# The decoding loop and the evaluator live in their own modules; their names stay importable here.
-from dflash_mp.decoding import (  # noqa: F401
-    Generation,
-    _rejection_sample,
-    autoregressive_generate,
-    speculative_generate,
-)
-from dflash_mp.evaluation import (  # noqa: F401
-    AcceptanceEvaluator,
+from dflash_mp.evaluation.acceptance import (
     EvalError,
-    Prompt,
-    chat_messages,
-    check_drafter_fits,
     evaluate_acceptance,
     format_table,
     held_out_prompt_files,
-    load_eval_prompts,
     load_prompts,
     load_target_model,
-    prompt_messages,
     resolve_device,
-    stop_token_ids,
 )
 from dflash_mp.models.drafter import DFlashDrafter
 
@@ -47,7 +33,7 @@ from dflash_mp.models.drafter import DFlashDrafter
 
 def _load_drafter(path: Path, step: int | None) -> tuple[DFlashDrafter, Path | None]:
     """(drafter, its run directory if known) from an export, a checkpoint or a run directory."""
-    from dflash_mp.export import CONFIG_NAME, WEIGHTS_NAME, drafter_from_checkpoint, load_exported_drafter
+    from dflash_mp.export.hf import CONFIG_NAME, WEIGHTS_NAME, drafter_from_checkpoint, load_exported_drafter
 
     if (path / CONFIG_NAME).is_file() and (path / WEIGHTS_NAME).is_file():
         run_dir = path.parent if (path.parent / "config.yaml").is_file() else None

@@ -3,7 +3,7 @@
 Under torchrun every process reads the config, takes its role from its global rank and
 runs it. Started without torchrun (plain python, `make train`, a Hydra sweep with -m),
 it launches one local torchrun job per config through dflash_mp.launch and waits.
-Under plain torchrun, rank 0 holds the run directory's lock (dflash_mp.rundir) for the job.
+Under plain torchrun, rank 0 holds the run directory's lock (dflash_mp.run.rundir) for the job.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from dflash_mp import watchdog
-from dflash_mp.config import CONF_DIR, ConfigError, to_dataclass
-from dflash_mp.logs import append_job_log, get_logger
-from dflash_mp.validation import validate
+from dflash_mp.config.schema import CONF_DIR, ConfigError, to_dataclass
+from dflash_mp.config.validation import validate
+from dflash_mp.run.logs import append_job_log, get_logger
+from dflash_mp.runtime import watchdog
 
 EXIT_CONFIG_ERROR = 2
 
@@ -28,8 +28,8 @@ def run_rank(dict_cfg: DictConfig) -> None:
     """One torchrun worker: set up, run the role, tear down."""
     import torch.distributed as dist
 
-    from dflash_mp.distributed import env_ranks, init_job, process_group_timeout_s, shared_run_dir
-    from dflash_mp.topology import Topology
+    from dflash_mp.runtime.distributed import env_ranks, init_job, process_group_timeout_s, shared_run_dir
+    from dflash_mp.runtime.topology import Topology
 
     watchdog.die_with_agent()
     cfg = to_dataclass(dict_cfg)
@@ -98,10 +98,10 @@ def _preflight_under_plain_torchrun(cfg, run_dir: Path, job) -> None:
     the run directory's lock for the life of its process, refuses a fresh start over an earlier run
     (or clears it with train.overwrite=true) and reads the data sample and the held-out prompts as
     the launcher's preflight does; every rank exits with the reason, before any heavy work."""
-    from dflash_mp.distributed import broadcast_text
     from dflash_mp.doctor import failed, reading_checks
-    from dflash_mp.launch.processes import JOB_ID_ENV
-    from dflash_mp.rundir import RunDirBusy, clear_run_dir, fresh_start_problem, lock_run_dir
+    from dflash_mp.run.processes import JOB_ID_ENV
+    from dflash_mp.run.rundir import RunDirBusy, clear_run_dir, fresh_start_problem, lock_run_dir
+    from dflash_mp.runtime.distributed import broadcast_text
 
     if os.environ.get(JOB_ID_ENV):  # the launcher's supervisor holds and checked it
         return
@@ -130,13 +130,14 @@ def _preflight_under_plain_torchrun(cfg, run_dir: Path, job) -> None:
 
 
 def _run_role(cfg, job, run_dir: Path) -> None:
-    from dflash_mp import checkpoint
     from dflash_mp.data import open_records
-    from dflash_mp.distributed import broadcast_int
-    from dflash_mp.logs import setup_rank_logging
-    from dflash_mp.metrics import MetricsLogger, StepTally
-    from dflash_mp.resume import data_files_fingerprint, data_layout
-    from dflash_mp.roles import (
+    from dflash_mp.run import checkpoint
+    from dflash_mp.run.logs import setup_rank_logging
+    from dflash_mp.run.metrics import MetricsLogger, StepTally
+    from dflash_mp.run.rundir import CONFIG_HISTORY_NAME, record_config
+    from dflash_mp.runtime.distributed import broadcast_int
+    from dflash_mp.runtime.resume import data_files_fingerprint, data_layout
+    from dflash_mp.runtime.roles import (
         load_resume_state,
         make_feature_extractor,
         make_reader,
@@ -145,9 +146,8 @@ def _run_role(cfg, job, run_dir: Path) -> None:
         run_target,
         total_steps,
     )
-    from dflash_mp.rundir import CONFIG_HISTORY_NAME, record_config
-    from dflash_mp.topology import Role
-    from dflash_mp.trainer import DrafterTrainer, resolve_precision
+    from dflash_mp.runtime.topology import Role
+    from dflash_mp.training.trainer import DrafterTrainer, resolve_precision
 
     log = setup_rank_logging(run_dir, job.rank, job.role.value, console=job.is_first_drafter)
     if job.rank == 0:
@@ -164,8 +164,8 @@ def _run_role(cfg, job, run_dir: Path) -> None:
         append_job_log(run_dir, f"started: world {job.world_size} = {roles} on {job.device.type}")
         # Written at a fresh start (with train.gamma and model.mask_token_id resolved, and the run's
         # tokenizer beside it); a resume keeps it and records what it changed next to it.
-        from dflash_mp.config import run_config
-        from dflash_mp.mask_token import save_run_tokenizer
+        from dflash_mp.config.mask_token import save_run_tokenizer
+        from dflash_mp.config.schema import run_config
 
         resolved = OmegaConf.to_container(run_config(cfg), resolve=True)
         changes = record_config(run_dir, resolved, cfg.train.resume)
@@ -194,7 +194,7 @@ def _run_role(cfg, job, run_dir: Path) -> None:
 
     if job.role is Role.TARGET:
         reader = make_reader(cfg, index)
-        from dflash_mp.target_parallel import replica_mesh
+        from dflash_mp.runtime.target_parallel import replica_mesh
 
         mesh = replica_mesh(job.replica_group, job.device)
         extractor = make_feature_extractor(cfg, dtype, job.device, compile_layers, mesh=mesh)
@@ -203,7 +203,7 @@ def _run_role(cfg, job, run_dir: Path) -> None:
 
     run = run_drafter
     if job.role is Role.COLOCATED:
-        from dflash_mp.colocated import run_colocated
+        from dflash_mp.runtime.colocated import run_colocated
 
         run = functools.partial(
             run_colocated,
@@ -218,12 +218,12 @@ def _run_role(cfg, job, run_dir: Path) -> None:
         trainer.load_training_state(state if state is not None else load_resume_state(run_dir, start_step))
     metrics = evaluator = None
     if job.is_first_drafter and cfg.eval.every > 0:
-        from dflash_mp.eval import AcceptanceEvaluator
+        from dflash_mp.evaluation.acceptance import AcceptanceEvaluator
 
         # Loads the whole target beside the drafter (on CUDA it refuses one that cannot fit).
         evaluator = AcceptanceEvaluator(cfg, job.device)
     if job.is_first_drafter:
-        from dflash_mp.config import run_config
+        from dflash_mp.config.schema import run_config
 
         # wandb gets what config.yaml records: train.gamma and model.mask_token_id resolved.
         resolved = OmegaConf.to_container(run_config(cfg), resolve=True)
@@ -278,12 +278,12 @@ def _run_role(cfg, job, run_dir: Path) -> None:
         metrics.close()
     tally.require_training()  # a job that applied no update must not end as done
     if metrics is not None:
-        from dflash_mp.plot import plot_run
+        from dflash_mp.run.plots import plot_run
 
         plot_run(run_dir)
         if cfg.train.export:
             watchdog.beat("export", trainer.step)
-            from dflash_mp.export import export_drafter
+            from dflash_mp.export.hf import export_drafter
 
             path = export_drafter(trainer.drafter, run_dir / "export")
             log.info("exported the drafter to %s", path)
@@ -291,7 +291,7 @@ def _run_role(cfg, job, run_dir: Path) -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> int:
-    from dflash_mp.distributed import under_torchrun
+    from dflash_mp.runtime.distributed import under_torchrun
 
     if under_torchrun():
         from torch.distributed.elastic.multiprocessing.errors import record

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from dflash_mp.config import compose_config
+from dflash_mp.config.schema import compose_config
 from tests.conftest import REPO
 
 DOCS = sorted([REPO / "README.md", REPO / "BENCHMARKS.md", *(REPO / "docs").glob("*.md")])

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
-from dflash_mp.config import RootConfig, compose_config, default_target_layer_ids, to_dataclass
+from dflash_mp.config.schema import RootConfig, compose_config, default_target_layer_ids, to_dataclass
 
 
 @dataclass(frozen=True)

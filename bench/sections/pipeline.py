@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import benchlib as bl
 import torch
 
-from dflash_mp.roles import run_drafter, run_target
-from dflash_mp.trainer import DrafterTrainer
+from dflash_mp.runtime.roles import run_drafter, run_target
+from dflash_mp.training.trainer import DrafterTrainer
 
 if TYPE_CHECKING:
     from bench import Bench

@@ -53,8 +53,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from dflash_mp.trainer import DrafterTrainer
-from dflash_mp.transport import Features
+from dflash_mp.runtime.transport import Features
+from dflash_mp.training.trainer import DrafterTrainer
 
 if TYPE_CHECKING:
     from bench import Bench

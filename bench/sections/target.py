@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import benchlib as bl
 
-from dflash_mp.roles import hidden_states_for_drafter
+from dflash_mp.runtime.roles import hidden_states_for_drafter
 
 if TYPE_CHECKING:
     from bench import Bench

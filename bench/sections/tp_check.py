@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import benchlib as bl
 import torch
 
-from dflash_mp.roles import hidden_states_for_drafter
+from dflash_mp.runtime.roles import hidden_states_for_drafter
 
 if TYPE_CHECKING:
     from bench import Bench

@@ -1,4 +1,4 @@
-"""The transport alone: dflash_mp.transport's Sender/Receiver next to raw send/recv of the same size,
+"""The transport alone: dflash_mp.runtime.transport's Sender/Receiver next to raw send/recv of the same size,
 between rank 0 (the first target leader) and the first drafter; any other rank idles."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import benchlib as bl
 import torch
 import torch.distributed as dist
 
-from dflash_mp.transport import Receiver, Sender, pack_tokens
+from dflash_mp.runtime.transport import Receiver, Sender, pack_tokens
 
 if TYPE_CHECKING:
     from bench import Bench

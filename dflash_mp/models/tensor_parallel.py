@@ -6,7 +6,7 @@ time, so a layer is sharded as soon as it is on the device. Column-wise projecti
 head shards local; the row-wise ones (o_proj, down_proj) all-reduce, so every layer's output,
 and hence the hidden states, come out replicated on each rank of the mesh.
 
-Pure torch: the mesh comes from the caller (dflash_mp.target_parallel builds it).
+Pure torch: the mesh comes from the caller (dflash_mp.runtime.target_parallel builds it).
 """
 
 from __future__ import annotations

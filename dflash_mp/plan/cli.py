@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dflash_mp.config import read_target_config
+from dflash_mp.config.schema import read_target_config
 from dflash_mp.embedded import embedded_path
 from dflash_mp.plan import PlanError
 from dflash_mp.plan.costs import ModelShape, Workload, shape_from_hf_config, target_params

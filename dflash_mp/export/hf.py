@@ -1,32 +1,25 @@
-"""HF-format drafter export (`config.json`, `model.safetensors`, `modeling_dflash.py`) that the
+"""The drafter in HF format (`config.json`, `model.safetensors`, `modeling_dflash.py`), which the
 reference `dflash`, `AutoModel(..., trust_remote_code=True)`, SGLang and vLLM load (README: Serve it).
 
-    python -m dflash_mp.export RUN_DIR [--step N] [--out DIR] [--dtype bfloat16|float32]
-
-exports a checkpoint of a run (the newest, or step N) to RUN_DIR/export (or DIR). An export is
-written to a temporary directory beside its destination, synced, and only then swapped in, so a
-crash mid-export never leaves a half-written drafter where a reader expects one.
+An export is written to a temporary directory beside its destination, synced, and only then swapped
+in, so a crash mid-export never leaves a half-written drafter where a reader expects one.
 """
-
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
-from dflash_mp import export_modeling
-from dflash_mp.checkpoint import fsync_path
+from dflash_mp.export import modeling_dflash
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import ARCHITECTURES
+from dflash_mp.run.checkpoint import fsync_path
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -82,7 +75,7 @@ def export_drafter(
     try:
         (staging / CONFIG_NAME).write_text(_config_json(drafter, saved_dtype))
         save_file(state, staging / WEIGHTS_NAME, metadata={"format": "pt"})
-        shutil.copyfile(export_modeling.__file__, staging / MODELING_NAME)
+        shutil.copyfile(modeling_dflash.__file__, staging / MODELING_NAME)
         for path in (staging / CONFIG_NAME, staging / WEIGHTS_NAME, staging / MODELING_NAME):
             path.chmod(FILE_MODE)
             fsync_path(path)
@@ -129,9 +122,9 @@ def drafter_from_checkpoint(
     """
     from omegaconf import OmegaConf
 
-    from dflash_mp import checkpoint
-    from dflash_mp.config import to_dataclass
-    from dflash_mp.trainer import build_drafter
+    from dflash_mp.config.schema import to_dataclass
+    from dflash_mp.run import checkpoint
+    from dflash_mp.training.trainer import build_drafter
 
     run_dir = Path(run_dir)
     config_path = run_dir / "config.yaml"
@@ -167,33 +160,3 @@ def vllm_path_note(out_dir: str | Path) -> str | None:
         f"note: vLLM detects a DFlash drafter by 'dflash' in its path, which {out_dir} lacks: pass "
         '"method": "dflash" in --speculative-config, or export to a path that contains it (README: Serve it)'
     )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "run_dir", type=Path, help="the training run directory (holds config.yaml and checkpoints/)"
-    )
-    parser.add_argument("--step", type=int, help="export the checkpoint of this step (default: the newest)")
-    parser.add_argument("--out", type=Path, help="export directory (default: RUN_DIR/export)")
-    parser.add_argument(
-        "--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="dtype of the exported weights"
-    )
-    args = parser.parse_args(argv)
-    try:
-        drafter = drafter_from_checkpoint(args.run_dir, step=args.step)
-    except FileNotFoundError as e:
-        print(f"dflash_mp.export: {e}", file=sys.stderr)
-        return 2
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    out_dir = export_drafter(drafter, args.out or args.run_dir / "export", dtype=dtype)
-    print(out_dir)
-    if note := vllm_path_note(out_dir):
-        print(note, file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Typed configuration: Hydra ConfigStore schemas, composition and what follows from a config.
 
-Every field carries a one-line comment. `dflash_mp.validation.validate(cfg)` checks the composed
+Every field carries a one-line comment. `dflash_mp.config.validation.validate(cfg)` checks the composed
 config before any process allocates a device, and reports *all* problems at once, each naming
 the field and what would be valid.
 """
@@ -15,8 +15,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from dflash_mp.config.mask_token import mask_token_id
 from dflash_mp.embedded import embedded_path, target_dir
-from dflash_mp.mask_token import mask_token_id
 
 
 class ConfigError(ValueError):
@@ -218,7 +218,7 @@ class RootConfig:
     preset: str = ""
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def register_configs() -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from dflash_mp.topology import Topology
+from dflash_mp.runtime.topology import Topology
 
 
 def new_replica_groups(topology: Topology, timeout: timedelta) -> dist.ProcessGroup | None:

@@ -9,17 +9,17 @@ from pathlib import Path
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from dflash_mp import checkpoint
-from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
+from dflash_mp.config.schema import RootConfig, read_target_config, resolved_target_layer_ids
 from dflash_mp.data import MicroBatch, MicroBatchReader, Records, micro_batches_per_epoch
 from dflash_mp.data.chat import load_renderer
-from dflash_mp.distributed import Job
-from dflash_mp.logs import get_logger
-from dflash_mp.resume import ResumeRefused, check_layout
-from dflash_mp.topology import Topology
-from dflash_mp.trainer import PreparedBatch
-from dflash_mp.transport import Features, Receiver, Sender, pack_tokens
-from dflash_mp.watchdog import Preempted, beat
+from dflash_mp.run import checkpoint
+from dflash_mp.run.logs import get_logger
+from dflash_mp.runtime.distributed import Job
+from dflash_mp.runtime.resume import ResumeRefused, check_layout
+from dflash_mp.runtime.topology import Topology
+from dflash_mp.runtime.transport import Features, Receiver, Sender, pack_tokens
+from dflash_mp.runtime.watchdog import Preempted, beat
+from dflash_mp.training.trainer import PreparedBatch
 
 
 def total_steps(cfg: RootConfig, num_records: int, topology: Topology) -> int:

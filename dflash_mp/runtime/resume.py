@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dflash_mp.config import RootConfig
-from dflash_mp.topology import Topology
+from dflash_mp.config.schema import RootConfig
+from dflash_mp.runtime.topology import Topology
 
 LAYOUT_VERSION = 1
 

@@ -6,7 +6,7 @@ blocks; in a sliding-attention layer a query sees only keys less than `window` p
 (the reference's rule). The same rule serves four forms: a flex_attention mask_mod, a dense boolean mask
 for SDPA on CPU, a flex BlockMask built tile by tile from the anchors (no compiled
 create_block_mask), and that BlockMask's tile lists with the anchors for FlashAttention 4, whose
-kernels apply the rule as CuTe code (`dflash_mp.models.flash_attention`).
+kernels apply the rule as CuTe code (`dflash_mp.kernels.flash_attention`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from dflash_mp.config import (
+from dflash_mp.config.mask_token import mask_token_problems
+from dflash_mp.config.schema import (
     CONF_DIR,
     ConfigError,
     RootConfig,
@@ -20,8 +21,7 @@ from dflash_mp.config import (
     read_target_config,
     resolved_target_layer_ids,
 )
-from dflash_mp.mask_token import mask_token_problems
-from dflash_mp.topology import target_parallel_head_problems, target_parallel_problems
+from dflash_mp.runtime.topology import target_parallel_head_problems, target_parallel_problems
 
 
 def _choice(problems: list[str], name: str, value: Any, allowed: tuple) -> None:

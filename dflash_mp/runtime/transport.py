@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dflash_mp.clock import RoleClock
+from dflash_mp.runtime.clock import RoleClock
 
 HEADER_LEN = 16
 _MAGIC = 0xDF1A54

@@ -5,7 +5,7 @@
 - `drafter_group` (drafter ranks only) carries the drafters' gradient all-reduce, so
   target ranks never join a drafter collective; in the colocated layout it is the default group;
 - `replica_group` (topology.target_parallel > 1: the ranks of one target replica) carries the
-  replica's tensor-parallel all-reduces (dflash_mp.target_parallel).
+  replica's tensor-parallel all-reduces (dflash_mp.runtime.target_parallel).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from dflash_mp.topology import Role, Topology
+from dflash_mp.runtime.topology import Role, Topology
 
 # The process groups' timeout outlives the watchdog (which allows a waiting rank PEER_GRACE_S more,
 # and the launcher's backstop another 10 s): a rank waiting on a peer that stopped making progress
@@ -103,7 +103,7 @@ def init_job(
     else:
         # new_group is collective over the world: every rank calls it, members or not.
         group = dist.new_group(ranks=drafter_ranks, timeout=timeout) if drafter_ranks else None
-    from dflash_mp.target_parallel import new_replica_groups
+    from dflash_mp.runtime.target_parallel import new_replica_groups
 
     replica_group = new_replica_groups(topology, timeout)
     return Job(

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_mp.block_mask import dense_block_mask, flex_block_mask, tile_block_mask
+from dflash_mp.kernels.block_mask import dense_block_mask, flex_block_mask, tile_block_mask
 
 # ----------------------------------------------------------------------------- anchors
 

@@ -86,7 +86,7 @@ def adopt_lock(run_dir: Path, fd: int) -> RunDirLock:
 
 
 def _holder(path: Path) -> str:
-    from dflash_mp.launch.processes import alive, holders_of
+    from dflash_mp.run.processes import alive, holders_of
 
     try:
         holder = json.loads(path.read_text())

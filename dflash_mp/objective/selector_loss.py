@@ -29,9 +29,9 @@ from typing import NamedTuple, TypedDict
 import torch
 from torch import Tensor
 
+from dflash_mp.kernels.weighted_rows import weighted_row_sum
 from dflash_mp.models.dflash2 import CandidateSelector
 from dflash_mp.models.drafter import scale_logits
-from dflash_mp.weighted_rows import weighted_row_sum
 
 # Per-block-index counts, summed over micro-batches and ranks like LossStats' correct/count.
 SELECTOR_COUNTS = ("topk_hits", "selector_correct", "served_accepted", "unary_accepted")

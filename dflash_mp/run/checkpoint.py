@@ -4,7 +4,7 @@ Layout: run_dir/checkpoints/step_00000120/{drafter.safetensors, optimizer.pt, me
 A checkpoint is written into a hidden temporary directory, every file fsynced, and only
 then renamed to its final name (rename is atomic on POSIX), so a crash mid-save never
 leaves a directory that looks whole but is not. meta.json is written last and names the
-step, the data layout (dflash_mp.resume) and each file's size and sha256; a directory without a
+step, the data layout (dflash_mp.runtime.resume) and each file's size and sha256; a directory without a
 readable meta.json is not a checkpoint. A resume verifies the newest against those records and falls
 back to the newest intact one (a disk or a copy can corrupt a file after the save). A failed write
 removes its partial copy and names the file, the cause and the checkpoint kept. Files get the read
@@ -84,7 +84,7 @@ def save(
 ) -> Path:
     """Write `state` atomically as step_<step>; keep the newest `keep` checkpoints.
 
-    `data_layout` (dflash_mp.resume.data_layout) goes into meta.json for the resume check.
+    `data_layout` (dflash_mp.runtime.resume.data_layout) goes into meta.json for the resume check.
     """
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -141,7 +141,7 @@ def _sha256(path: Path) -> str:
 
 
 def _write_failure(root: Path, step: int, tmp: Path, error: Exception) -> CheckpointError:
-    from dflash_mp.rundir import write_error_cause
+    from dflash_mp.run.rundir import write_error_cause
 
     kept = latest(root)
     return CheckpointError(

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from dflash_mp.draft_blocks import DraftBlocks, context_positions, draft_blocks
-from dflash_mp.fused_ce import ce_and_grad_in_place, fused_ce_runs_on
+from dflash_mp.kernels.fused_ce import ce_and_grad_in_place, fused_ce_runs_on
+from dflash_mp.kernels.top_k import top_k_ids
 from dflash_mp.models.block_rows import BlockRows, scored_rows
-from dflash_mp.selector_loss import SelectorStats, TopK, selector_loss
-from dflash_mp.top_k import top_k_ids
+from dflash_mp.objective.draft_blocks import DraftBlocks, context_positions, draft_blocks
+from dflash_mp.objective.selector_loss import SelectorStats, TopK, selector_loss
 
 
 class LossStats(TypedDict):
@@ -283,7 +283,7 @@ def drafter_loss(
     """The DFlash loss of one micro-batch; shared by the reference trainer and the drafter ranks.
 
     A DFlash 2 drafter (one with a `candidate_selector`) adds `selector_alpha` times the selector
-    term (`dflash_mp.selector_loss`; `selector_gold` says what a label outside the top-K does) and
+    term (`dflash_mp.objective.selector_loss`; `selector_gold` says what a label outside the top-K does) and
     its metrics under stats["selector"].
 
     `batch` has input_ids, loss_mask, lengths, sample_ids, epoch and hidden_states [B,S,K*H];

@@ -1,5 +1,5 @@
 """Acceptance length of a drafter on held-out prompts: prompts, checks, the evaluation, and the
-evaluator that training calls every eval.every steps (`dflash_mp.decoding` runs the decoding)."""
+evaluator that training calls every eval.every steps (`dflash_mp.evaluation.decoding` runs the decoding)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_mp.decoding import autoregressive_generate, speculative_generate
+from dflash_mp.evaluation.decoding import autoregressive_generate, speculative_generate
 from dflash_mp.models.drafter import DFlashDrafter
 
 
@@ -95,7 +95,7 @@ def load_prompts(
 def held_out_prompt_files(eval_files: Sequence[str], target_path: str) -> list[str]:
     """`eval_files`, or the embedded eval set for the embedded target; a real target without
     held-out prompts is an error (toy prompts say nothing of its acceptance length)."""
-    from dflash_mp.config import is_embedded_target
+    from dflash_mp.config.schema import is_embedded_target
     from dflash_mp.embedded import embedded_path
 
     if eval_files:
@@ -178,7 +178,7 @@ def eval_context_problem(cfg: Any) -> str | None:
     """The preflight's eval check: why eval.every's decoding would not fit the target's context
     (None: it fits, or eval.every=0). The same rule the evaluator applies when the drafter starts,
     known here before any worker does."""
-    from dflash_mp.config import read_target_config
+    from dflash_mp.config.schema import read_target_config
     from dflash_mp.data import load_tokenizer
 
     context = read_target_config(cfg.model.target_path).get("max_position_embeddings")
@@ -343,7 +343,7 @@ class AcceptanceEvaluator:
 
     def __init__(self, cfg: Any, device: torch.device) -> None:
         from dflash_mp.data import load_tokenizer
-        from dflash_mp.trainer import resolve_precision
+        from dflash_mp.training.trainer import resolve_precision
 
         dtype, _, _ = resolve_precision(cfg, device)
         if device.type == "cuda":  # before minutes of reading a target that cannot fit

@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from dflash_mp.logs import get_logger
+from dflash_mp.run.logs import get_logger
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
@@ -136,7 +136,7 @@ class MetricsLogger:
             get_logger().info(line)
 
     def _write_failure(self, step: int, error: OSError) -> MetricsWriteError:
-        from dflash_mp.rundir import write_error_cause
+        from dflash_mp.run.rundir import write_error_cause
 
         checkpoints = sorted(p.name for p in self.path.parent.glob("checkpoints/step_*"))
         kept = f"checkpoints up to {checkpoints[-1]}" if checkpoints else "no checkpoint yet"

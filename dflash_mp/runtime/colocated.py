@@ -15,15 +15,15 @@ import functools
 
 import torch
 
-from dflash_mp.clock import RoleClock
-from dflash_mp.config import RootConfig
+from dflash_mp.config.schema import RootConfig
 from dflash_mp.data import MicroBatchReader
-from dflash_mp.distributed import Job
-from dflash_mp.logs import get_logger
-from dflash_mp.roles import features_of, hidden_states_for_drafter
-from dflash_mp.trainer import PreparedBatch
-from dflash_mp.transport import Features
-from dflash_mp.watchdog import Preempted, beat
+from dflash_mp.run.logs import get_logger
+from dflash_mp.runtime.clock import RoleClock
+from dflash_mp.runtime.distributed import Job
+from dflash_mp.runtime.roles import features_of, hidden_states_for_drafter
+from dflash_mp.runtime.transport import Features
+from dflash_mp.runtime.watchdog import Preempted, beat
+from dflash_mp.training.trainer import PreparedBatch
 
 
 def run_colocated(

@@ -1,6 +1,6 @@
 """DFlash block attention on FlashAttention 4's CuTe kernels (`train.attention=flash`).
 
-The same mask as flex_attention's (`dflash_mp.block_mask`): flex's tile lists say which
+The same mask as flex_attention's (`dflash_mp.kernels.block_mask`): flex's tile lists say which
 (128 x 128) tiles are skipped, computed whole, or masked element by element, and a CuTe mask rule
 (query q of block n sees context key j < a_n and the keys of its own block) decides the masked
 ones. On Hopper these are FA3-class warp-specialised kernels: per layer at Qwen3-8B shape, forward
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_mp.block_mask import FLEX_TILE, TileMask
+from dflash_mp.kernels.block_mask import FLEX_TILE, TileMask
 
 PACKAGE_HINT = (
     "install FlashAttention 4 (`pip install -e '.[flash]'`; on CUDA 13 also "

@@ -17,19 +17,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash_mp import checkpoint
-from dflash_mp.block_diffusion import drafter_loss, loss_blocks, per_position_accuracy
-from dflash_mp.config import RootConfig, read_target_config, resolved_target_layer_ids
-from dflash_mp.draft_blocks import DraftBlocks
-from dflash_mp.mask_token import mask_token_id
+from dflash_mp.config.mask_token import mask_token_id
+from dflash_mp.config.schema import RootConfig, read_target_config, resolved_target_layer_ids
+from dflash_mp.kernels.flash_attention import check_flash_supported, flash_unusable_reason
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import DFLASH2_FIELDS, SCALING_DEFAULTS, build_drafter_config
-from dflash_mp.models.flash_attention import check_flash_supported, flash_unusable_reason
 from dflash_mp.models.target import load_embedding_and_head
-from dflash_mp.selector_loss import add_selector_stats, pack_selector_totals, selector_metrics
-from dflash_mp.streaming_adamw import StreamingAdamW, triton
-from dflash_mp.transport import Features
-from dflash_mp.working_weights import WorkingWeights
+from dflash_mp.objective.block_diffusion import drafter_loss, loss_blocks, per_position_accuracy
+from dflash_mp.objective.draft_blocks import DraftBlocks
+from dflash_mp.objective.selector_loss import add_selector_stats, pack_selector_totals, selector_metrics
+from dflash_mp.run import checkpoint
+from dflash_mp.runtime.transport import Features
+from dflash_mp.training.streaming_adamw import StreamingAdamW, triton
+from dflash_mp.training.working_weights import WorkingWeights
 
 # Slots of the packed per-step vector (DrafterTrainer._pack_totals), then correct, count, selector.
 _LOSS_SUM, _SCORED, _MICRO_BATCHES = 0, 2, 3  # the token count is 1
@@ -123,7 +123,7 @@ class DrafterTrainer:
         `stop_requested()` says whether this rank was asked to stop (SIGTERM/SIGUSR1): each optimizer
         step agrees on it over the drafter group (`stop_agreed`) in the all-reduce it makes anyway.
         `working_weights`: bf16 working copies of the matmul weights with fp32 masters
-        (`dflash_mp.working_weights`); by default where the step runs under bf16 autocast with the
+        (`dflash_mp.training.working_weights`); by default where the step runs under bf16 autocast with the
         Triton optimizer pass, i.e. on CUDA."""
         self.cfg = cfg
         self.stop_requested = stop_requested or (lambda: False)

@@ -13,7 +13,7 @@ update is AdamW's (decoupled weight decay, bias-corrected moments) in fp32. Wher
 does not apply (CPU, a parameter that is not fp32, no Triton) the step is torch's own AdamW on
 the multiplied gradients, bit for bit what the trainer ran before.
 
-With `working` (`dflash_mp.working_weights`) the optimized tensors are fp32 masters of bf16
+With `working` (`dflash_mp.training.working_weights`) the optimized tensors are fp32 masters of bf16
 working copies: a master without a gradient of its own takes its copy's bf16 gradient (read
 widened, 2 bytes less per parameter), and the pass writes the new bf16 copy beside the master.
 """

@@ -38,7 +38,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from dflash_mp.logs import append_job_log, get_logger
+from dflash_mp.run.logs import append_job_log, get_logger
 
 # A rank that made no progress for watchdog.timeout_s (in-process watchdog or launcher).
 EXIT_HUNG = 3
