@@ -73,11 +73,12 @@ from options import default_out, layout_from_env, parse_args  # noqa: E402
 from sections import SECTIONS  # noqa: E402
 from summary import print_table, summarize  # noqa: E402
 
+from dflash_mp.config.precision import resolve_precision  # noqa: E402
 from dflash_mp.models.drafter import DFlashDrafter  # noqa: E402
 from dflash_mp.runtime.distributed import init_job  # noqa: E402
 from dflash_mp.runtime.target_parallel import replica_mesh  # noqa: E402
 from dflash_mp.runtime.topology import Topology  # noqa: E402
-from dflash_mp.training.trainer import DrafterTrainer, resolve_precision  # noqa: E402
+from dflash_mp.training.trainer import DrafterTrainer  # noqa: E402
 
 SCHEMA = "dflash_mp.bench/1"
 # Sections whose ranks talk to each other (besides the exchange after every section): after a

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import torch
 
+from dflash_mp.config.precision import resolve_precision
 from dflash_mp.config.schema import RootConfig
 from dflash_mp.data import open_records
 from dflash_mp.runtime.roles import (
-    features_of,
     hidden_states_for_drafter,
     make_feature_extractor,
     make_reader,
     total_steps,
 )
 from dflash_mp.runtime.topology import Topology
-from dflash_mp.training.trainer import DrafterTrainer, resolve_precision
+from dflash_mp.training.features import features_of
+from dflash_mp.training.trainer import DrafterTrainer
 
 
 def reference_train(cfg: RootConfig, device: torch.device | str = "cpu", on_step=None) -> DrafterTrainer:

@@ -130,6 +130,7 @@ def _preflight_under_plain_torchrun(cfg, run_dir: Path, job) -> None:
 
 
 def _run_role(cfg, job, run_dir: Path) -> None:
+    from dflash_mp.config.precision import resolve_precision
     from dflash_mp.data import open_records
     from dflash_mp.run import checkpoint
     from dflash_mp.run.logs import setup_rank_logging
@@ -147,7 +148,7 @@ def _run_role(cfg, job, run_dir: Path) -> None:
         total_steps,
     )
     from dflash_mp.runtime.topology import Role
-    from dflash_mp.training.trainer import DrafterTrainer, resolve_precision
+    from dflash_mp.training.trainer import DrafterTrainer
 
     log = setup_rank_logging(run_dir, job.rank, job.role.value, console=job.is_first_drafter)
     if job.rank == 0:

@@ -18,7 +18,7 @@ from dflash_mp.evaluation.acceptance import evaluate_acceptance, load_eval_promp
 from dflash_mp.evaluation.decoding import _rejection_sample, speculative_generate
 from dflash_mp.export.hf import export_drafter, load_exported_drafter
 from dflash_mp.runtime.roles import make_feature_extractor
-from dflash_mp.runtime.transport import Features
+from dflash_mp.training.features import Features
 from dflash_mp.training.trainer import DrafterTrainer
 from tests.drafters import embedded_config, embedded_target, train_on_target_tokens
 

@@ -265,17 +265,17 @@ def test_doctor_says_which_attention_runs_and_refuses_a_flash_that_cannot(monkey
 
 
 def test_auto_attention_takes_flash_only_where_it_runs(monkeypatch) -> None:
-    from dflash_mp.training import trainer
+    from dflash_mp.config import precision
     from tests.drafters import embedded_config
 
     cfg = embedded_config()
-    assert trainer.resolve_precision(cfg, torch.device("cpu"))[1] == "sdpa"
+    assert precision.resolve_precision(cfg, torch.device("cpu"))[1] == "sdpa"
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(trainer, "flash_unusable_reason", lambda device: None)
-    assert trainer.resolve_precision(cfg, cuda)[1] == "flash"
-    assert trainer.resolve_precision(embedded_config("train.dtype=float32"), cuda)[1] == "flex"
-    monkeypatch.setattr(trainer, "flash_unusable_reason", lambda device: "not installed")
-    assert trainer.resolve_precision(cfg, cuda)[1] == "flex"
+    monkeypatch.setattr(precision, "flash_unusable_reason", lambda device: None)
+    assert precision.resolve_precision(cfg, cuda)[1] == "flash"
+    assert precision.resolve_precision(embedded_config("train.dtype=float32"), cuda)[1] == "flex"
+    monkeypatch.setattr(precision, "flash_unusable_reason", lambda device: "not installed")
+    assert precision.resolve_precision(cfg, cuda)[1] == "flex"
 
 
 def test_flash_on_cpu_or_in_fp32_is_refused_before_any_work() -> None:

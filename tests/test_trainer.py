@@ -12,11 +12,11 @@ import torch
 from dflash_mp.config.schema import compose_config, to_dataclass
 from dflash_mp.data import JsonlIndex
 from dflash_mp.runtime.roles import (
-    features_of,
     hidden_states_for_drafter,
     make_feature_extractor,
     make_reader,
 )
+from dflash_mp.training.features import features_of
 from dflash_mp.training.trainer import DrafterTrainer, lr_at
 
 

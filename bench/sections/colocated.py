@@ -17,7 +17,8 @@ import benchlib as bl
 import torch
 import torch.distributed as dist
 
-from dflash_mp.runtime.roles import features_of, hidden_states_for_drafter
+from dflash_mp.runtime.roles import hidden_states_for_drafter
+from dflash_mp.training.features import features_of
 
 if TYPE_CHECKING:
     from bench import Bench

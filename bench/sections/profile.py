@@ -53,7 +53,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from dflash_mp.runtime.transport import Features
+from dflash_mp.training.features import Features
 from dflash_mp.training.trainer import DrafterTrainer
 
 if TYPE_CHECKING:

@@ -342,8 +342,8 @@ class AcceptanceEvaluator:
     """
 
     def __init__(self, cfg: Any, device: torch.device) -> None:
+        from dflash_mp.config.precision import resolve_precision
         from dflash_mp.data import load_tokenizer
-        from dflash_mp.training.trainer import resolve_precision
 
         dtype, _, _ = resolve_precision(cfg, device)
         if device.type == "cuda":  # before minutes of reading a target that cannot fit

@@ -39,4 +39,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     if note := vllm_path_note(out_dir):
         print(note, file=sys.stderr)
     return 0
-

@@ -4,6 +4,7 @@ reference `dflash`, `AutoModel(..., trust_remote_code=True)`, SGLang and vLLM lo
 An export is written to a temporary directory beside its destination, synced, and only then swapped
 in, so a crash mid-export never leaves a half-written drafter where a reader expects one.
 """
+
 from __future__ import annotations
 
 import json

@@ -3,8 +3,8 @@ micro-batches, runs the target on them and trains the drafter on the result; DDP
 
 Rank d trains on the micro-batches drafter d trains on in the split layout
 (Topology.micro_batches_of_drafter) and feeds the drafter what a target rank would have sent
-(roles.features_of, the reference trainer's path), so a colocated job of N ranks trains as the
-split with N drafter ranks: the same loss column, bit for bit on CPU. As a drafter rank does, it
+(`features_of`, the reference trainer's path), so a colocated job of N ranks trains as the split
+with N drafter ranks: the same loss column, bit for bit on CPU. As a drafter rank does, it
 takes the next step's first micro-batch (here: reads and tokenizes it, runs the target on it) while
 the device runs the optimizer update, so the host's work at a step's start is not the device's wait.
 """
@@ -20,9 +20,9 @@ from dflash_mp.data import MicroBatchReader
 from dflash_mp.run.logs import get_logger
 from dflash_mp.runtime.clock import RoleClock
 from dflash_mp.runtime.distributed import Job
-from dflash_mp.runtime.roles import features_of, hidden_states_for_drafter
-from dflash_mp.runtime.transport import Features
+from dflash_mp.runtime.roles import hidden_states_for_drafter
 from dflash_mp.runtime.watchdog import Preempted, beat
+from dflash_mp.training.features import Features, features_of
 from dflash_mp.training.trainer import PreparedBatch
 
 

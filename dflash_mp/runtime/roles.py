@@ -17,8 +17,9 @@ from dflash_mp.run.logs import get_logger
 from dflash_mp.runtime.distributed import Job
 from dflash_mp.runtime.resume import ResumeRefused, check_layout
 from dflash_mp.runtime.topology import Topology
-from dflash_mp.runtime.transport import Features, Receiver, Sender, pack_tokens
+from dflash_mp.runtime.transport import Receiver, Sender, pack_tokens
 from dflash_mp.runtime.watchdog import Preempted, beat
+from dflash_mp.training.features import Features
 from dflash_mp.training.trainer import PreparedBatch
 
 
@@ -86,27 +87,6 @@ def make_feature_extractor(
         ", ".join(f"{plan} x{n}" for plan, n in plans.items()) or "nothing",
     )
     return extractor
-
-
-def features_of(
-    batch: MicroBatch, hidden_states: torch.Tensor, bad_records: int = 0, too_long_records: int = 0
-) -> Features:
-    """A locally read micro-batch in the form the drafter consumes (the reference trainer's path),
-    on the hidden states' device, as the transport would deliver it."""
-    device = hidden_states.device
-    return Features(
-        index=batch.index,
-        epoch=batch.epoch,
-        input_ids=batch.input_ids.to(device),
-        loss_mask=batch.loss_mask.long().to(device),
-        lengths=batch.lengths.to(device),
-        sample_ids=batch.sample_ids.to(device),
-        # The extractor runs under inference_mode; autograd may not save such tensors.
-        hidden_states=hidden_states.clone(),
-        bad_records=bad_records,
-        too_long_records=too_long_records,
-        nbytes=0,
-    )
 
 
 def hidden_states_for_drafter(extractor, batch: MicroBatch, dtype: torch.dtype, device: torch.device):

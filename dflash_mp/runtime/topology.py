@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+
+from dflash_mp.config.validation import target_parallel_problems
 
 
 class Role(str, Enum):
@@ -110,40 +111,3 @@ class Topology:
         index would be total + d*A; the target that would produce it sends the flag.
         """
         return {d: total + d * self.grad_accum for d in range(self.drafters)}
-
-
-def target_parallel_problems(targets: Any, k: Any) -> list[str]:
-    """What is wrong with splitting `targets` target ranks into replicas of `k` (empty: nothing)."""
-    if not (isinstance(k, int) and k >= 1):
-        return [f"topology.target_parallel={k!r}: must be >= 1 (1: one rank per target replica)"]
-    if isinstance(targets, int) and targets >= 1 and targets % k:
-        return [
-            f"topology.targets={targets} is not a multiple of topology.target_parallel={k} "
-            f"(targets counts ranks, each replica takes {k}): set topology.targets to "
-            f"{max(k, targets // k * k)} or another multiple of {k}"
-        ]
-    return []
-
-
-def target_parallel_head_problems(k: Any, target: dict[str, Any]) -> list[str]:
-    """Tensor parallelism splits attention by heads and the MLP by columns: with `k` ranks per
-    replica, the target's (config.json) head counts and intermediate_size must divide by `k`."""
-    if not (isinstance(k, int) and k > 1):
-        return []
-    problems = []
-    heads = int(target["num_attention_heads"])
-    kv_heads = int(target.get("num_key_value_heads") or heads)
-    if heads % k or kv_heads % k:
-        fitting = [d for d in range(2, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
-        problems.append(
-            f"topology.target_parallel={k}: the target's num_attention_heads={heads} and "
-            f"num_key_value_heads={kv_heads} must both divide by it; use "
-            + (f"one of {fitting}" if fitting else "topology.target_parallel=1 (no split fits these heads)")
-        )
-    intermediate = target.get("intermediate_size")
-    if isinstance(intermediate, int) and intermediate % k:
-        problems.append(
-            f"topology.target_parallel={k}: the target's intermediate_size={intermediate} does not "
-            f"divide by it; use a topology.target_parallel that divides it"
-        )
-    return problems

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_mp.runtime.clock import RoleClock
+from dflash_mp.training.features import Features
 
 HEADER_LEN = 16
 _MAGIC = 0xDF1A54
@@ -43,30 +44,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Header slots.
 _H_MAGIC, _H_VERSION, _H_FLAGS, _H_INDEX, _H_EPOCH, _H_BATCH, _H_SEQ, _H_FEAT, _H_DTYPE = range(9)
 _H_BAD_RECORDS, _H_SENDER_BUSY_US, _H_SENDER_WAIT_US, _H_TOO_LONG = 9, 10, 11, 12
-
-
-@dataclass
-class Features:
-    """One micro-batch as the drafter consumes it (or the end-of-data marker)."""
-
-    index: int
-    epoch: int
-    input_ids: torch.Tensor  # int64 [B, S]
-    loss_mask: torch.Tensor  # int64 [B, S], 1 on response tokens
-    lengths: torch.Tensor  # int64 [B]
-    sample_ids: torch.Tensor  # int64 [B]
-    hidden_states: torch.Tensor  # [B, S, K*H]
-    end_of_data: bool = False
-    # Sender-side counters carried in the header (for the role-balance metrics).
-    bad_records: int = 0
-    too_long_records: int = 0  # truncated or skipped, per data.on_too_long
-    sender_busy_s: float = 0.0
-    sender_wait_s: float = 0.0
-    nbytes: int = 0
-
-    @property
-    def num_sequences(self) -> int:
-        return int(self.input_ids.shape[0])
 
 
 def pack_tokens(input_ids, loss_mask, lengths, sample_ids) -> torch.Tensor:

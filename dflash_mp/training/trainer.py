@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_mp.config.mask_token import mask_token_id
+from dflash_mp.config.precision import resolve_precision
 from dflash_mp.config.schema import RootConfig, read_target_config, resolved_target_layer_ids
-from dflash_mp.kernels.flash_attention import check_flash_supported, flash_unusable_reason
+from dflash_mp.kernels.flash_attention import check_flash_supported
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import DFLASH2_FIELDS, SCALING_DEFAULTS, build_drafter_config
 from dflash_mp.models.target import load_embedding_and_head
@@ -27,7 +28,7 @@ from dflash_mp.objective.block_diffusion import drafter_loss, loss_blocks, per_p
 from dflash_mp.objective.draft_blocks import DraftBlocks
 from dflash_mp.objective.selector_loss import add_selector_stats, pack_selector_totals, selector_metrics
 from dflash_mp.run import checkpoint
-from dflash_mp.runtime.transport import Features
+from dflash_mp.training.features import Features
 from dflash_mp.training.streaming_adamw import StreamingAdamW, triton
 from dflash_mp.training.working_weights import WorkingWeights
 
@@ -43,21 +44,6 @@ def lr_at(step: int, total_steps: int, peak: float, warmup_ratio: float, min_rat
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total_steps - warmup)
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-
-
-def resolve_precision(cfg: RootConfig, device: torch.device) -> tuple[torch.dtype, str, bool]:
-    """(hidden-state dtype, attention kernel, compile?) with "auto" resolved for `device`."""
-    on_gpu = device.type == "cuda"
-    dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "float32": torch.float32}.get(
-        cfg.train.dtype, torch.bfloat16
-    )
-    attention = cfg.train.attention
-    if attention == "auto":
-        # FlashAttention 4 where it runs (BENCHMARKS.md: the step's attention 23 -> 15 ms), else flex.
-        flash = dtype == torch.bfloat16 and on_gpu and flash_unusable_reason(device) is None
-        attention = "flash" if flash else ("flex" if on_gpu else "sdpa")
-    compile_flag = str(cfg.train.compile).lower()
-    return dtype, attention, (on_gpu if compile_flag == "auto" else compile_flag == "true")
 
 
 def build_drafter(cfg: RootConfig) -> DFlashDrafter:
