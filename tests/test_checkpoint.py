@@ -132,12 +132,12 @@ def test_a_deletion_of_an_old_checkpoint_cut_short_is_finished_by_the_next_save(
 
 
 def _resume(run_dir: Path, steps: int, warnings: list[str] | None = None):
-    """The first drafter's resume choice (roles.resume_step) over `run_dir`, warnings collected."""
+    """The first drafter's resume choice (resume.resume_step) over `run_dir`, warnings collected."""
     import logging
 
     from dflash_mp.config.schema import compose_config, to_dataclass
     from dflash_mp.run.logs import get_logger
-    from dflash_mp.runtime.roles import resume_step
+    from dflash_mp.runtime.resume import resume_step
 
     class Collect(logging.Handler):
         def emit(self, record):

@@ -6,8 +6,13 @@ import pytest
 
 from dflash_mp.config.schema import compose_config, to_dataclass
 from dflash_mp.run import checkpoint
-from dflash_mp.runtime.resume import ResumeRefused, check_layout, data_files_fingerprint, data_layout
-from dflash_mp.runtime.roles import load_resume_state
+from dflash_mp.runtime.resume import (
+    ResumeRefused,
+    check_layout,
+    data_files_fingerprint,
+    data_layout,
+    load_resume_state,
+)
 from dflash_mp.runtime.topology import Topology
 
 

@@ -59,10 +59,6 @@ def env_ranks() -> tuple[int, int, int]:
     return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
 
 
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
 def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")

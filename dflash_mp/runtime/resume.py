@@ -1,4 +1,6 @@
-"""What a resumed job may change: the data layout a checkpoint records and the check against it.
+"""Where a job starts: the checkpoint a resume continues from, and what a resumed job may change.
+
+The first drafter picks the checkpoint and every rank starts at its step (`agree_on_start`).
 
 A checkpoint records where the data stands (micro-batches consumed) and everything that decides
 which records a micro-batch index holds and which indices a step takes: seed, micro-batch size,
@@ -10,10 +12,17 @@ and grad_accum may trade against each other as long as their product stays the s
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from dflash_mp.config.schema import RootConfig
+from dflash_mp.data import Records
+from dflash_mp.run import checkpoint
+from dflash_mp.run.logs import get_logger
+from dflash_mp.runtime.distributed import Job, broadcast_int
 from dflash_mp.runtime.topology import Topology
 
 LAYOUT_VERSION = 1
@@ -111,3 +120,68 @@ def check_layout(saved: dict | None, current: dict, checkpoint: str) -> list[str
             "the micro-batch position", saved["micro_batch_index"], current["micro_batch_index"], checkpoint
         )
     return notes
+
+
+# ------------------------------------------------------------------------------ the start step
+
+
+def job_data_layout(cfg: RootConfig, topology: Topology, records: Records) -> Callable[[int], dict]:
+    """`step -> data layout` of this job; the data files are fingerprinted once, so checkpoints
+    record the data as this job found it."""
+    return functools.partial(data_layout, cfg, topology, data_files_fingerprint(records.paths, len(records)))
+
+
+def agree_on_start(
+    cfg: RootConfig, job: Job, run_dir: Path, layout_at: Callable[[int], dict], steps: int
+) -> tuple[int, checkpoint.TrainingState | None]:
+    """(the step every rank starts at, the first drafter's loaded state or None): the first drafter
+    picks the checkpoint and broadcasts its step; the other drafters load that same checkpoint
+    (`load_resume_state`)."""
+    start_step, state = resume_step(cfg, run_dir, layout_at, steps) if job.is_first_drafter else (0, None)
+    first_drafter = job.topology.targets
+    return broadcast_int(start_step, first_drafter, job.meta_group), state
+
+
+def resume_step(
+    cfg: RootConfig, run_dir: Path, layout_at: Callable[[int], dict], steps: int
+) -> tuple[int, checkpoint.TrainingState | None]:
+    """The first drafter's resume point: the newest intact checkpoint (a damaged newer one is
+    skipped with a warning), after sweeping what killed saves left. `layout_at(step)` is this
+    job's data layout at that step; a checkpoint whose recorded layout it contradicts, or that
+    leaves none of the job's `steps` to train, is refused before any weights are read."""
+    if not cfg.train.resume:
+        return 0, None
+    log = get_logger()
+    root = run_dir / "checkpoints"
+    for note in checkpoint.sweep_stale(root):
+        log.info("checkpoints: %s", note)
+    path = checkpoint.newest_intact(root, log.warning)
+    if path is None:
+        log.info("train.resume=true but no complete checkpoint in %s: starting at step 0", run_dir)
+        return 0, None
+    meta = checkpoint.read_meta(path)
+    if int(meta["step"]) >= steps:
+        raise ResumeRefused(
+            f"cannot resume from {path}: it is at step {meta['step']} and this job ends at step {steps} "
+            f"(train.max_steps={cfg.train.max_steps}), so there is nothing left to train. Raise "
+            f"train.max_steps above {meta['step']} (or -1 for train.epochs), or start a new run "
+            "(another run_dir, train.resume=false)"
+        )
+    for note in check_layout(meta.get("data_layout"), layout_at(int(meta["step"])), str(path)):
+        log.warning("resume: %s", note)
+    state = checkpoint.load(path)
+    log.info("resuming from %s (step %d)", path, state.step)
+    return state.step, state
+
+
+def load_resume_state(run_dir: Path, step: int) -> checkpoint.TrainingState:
+    """The checkpoint of `step`, the one the first drafter chose and broadcast: the other
+    drafters never look up the newest themselves, which could differ (a save or sweep in
+    between, a file system that shows them another listing)."""
+    path = checkpoint.step_dir(run_dir / "checkpoints", step)
+    if not (path / "meta.json").is_file():
+        raise FileNotFoundError(
+            f"this drafter cannot see {path}, the checkpoint the first drafter resumes from: "
+            "run_dir must be on a file system that every drafter rank shares"
+        )
+    return checkpoint.load(path)

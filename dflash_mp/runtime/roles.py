@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -12,10 +10,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from dflash_mp.config.schema import RootConfig, read_target_config, resolved_target_layer_ids
 from dflash_mp.data import MicroBatch, MicroBatchReader, Records, micro_batches_per_epoch
 from dflash_mp.data.chat import load_renderer
-from dflash_mp.run import checkpoint
 from dflash_mp.run.logs import get_logger
 from dflash_mp.runtime.distributed import Job
-from dflash_mp.runtime.resume import ResumeRefused, check_layout
 from dflash_mp.runtime.topology import Topology
 from dflash_mp.runtime.transport import Receiver, Sender, pack_tokens
 from dflash_mp.runtime.watchdog import Preempted, beat
@@ -223,48 +219,3 @@ def _balance(receiver: Receiver, targets: dict[int, tuple[float, float]]) -> dic
         "target_busy_frac": t_busy / max(t_busy + t_wait, 1e-9),
         "target_wait_frac": t_wait / max(t_busy + t_wait, 1e-9),
     }
-
-
-def resume_step(
-    cfg: RootConfig, run_dir: Path, layout_at: Callable[[int], dict], steps: int
-) -> tuple[int, checkpoint.TrainingState | None]:
-    """The first drafter's resume point: the newest intact checkpoint (a damaged newer one is
-    skipped with a warning), after sweeping what killed saves left. `layout_at(step)` is this
-    job's data layout at that step; a checkpoint whose recorded layout it contradicts, or that
-    leaves none of the job's `steps` to train, is refused before any weights are read."""
-    if not cfg.train.resume:
-        return 0, None
-    log = get_logger()
-    root = run_dir / "checkpoints"
-    for note in checkpoint.sweep_stale(root):
-        log.info("checkpoints: %s", note)
-    path = checkpoint.newest_intact(root, log.warning)
-    if path is None:
-        log.info("train.resume=true but no complete checkpoint in %s: starting at step 0", run_dir)
-        return 0, None
-    meta = checkpoint.read_meta(path)
-    if int(meta["step"]) >= steps:
-        raise ResumeRefused(
-            f"cannot resume from {path}: it is at step {meta['step']} and this job ends at step {steps} "
-            f"(train.max_steps={cfg.train.max_steps}), so there is nothing left to train. Raise "
-            f"train.max_steps above {meta['step']} (or -1 for train.epochs), or start a new run "
-            "(another run_dir, train.resume=false)"
-        )
-    for note in check_layout(meta.get("data_layout"), layout_at(int(meta["step"])), str(path)):
-        log.warning("resume: %s", note)
-    state = checkpoint.load(path)
-    log.info("resuming from %s (step %d)", path, state.step)
-    return state.step, state
-
-
-def load_resume_state(run_dir: Path, step: int) -> checkpoint.TrainingState:
-    """The checkpoint of `step`, the one the first drafter chose and broadcast: the other
-    drafters never look up the newest themselves, which could differ (a save or sweep in
-    between, a file system that shows them another listing)."""
-    path = checkpoint.step_dir(run_dir / "checkpoints", step)
-    if not (path / "meta.json").is_file():
-        raise FileNotFoundError(
-            f"this drafter cannot see {path}, the checkpoint the first drafter resumes from: "
-            "run_dir must be on a file system that every drafter rank shares"
-        )
-    return checkpoint.load(path)
