@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import TYPE_CHECKING
 
 import benchlib as bl
 import torch
 import torch.distributed as dist
+from benchlib.state import BenchState
 
 from dflash_mp.runtime.roles import hidden_states_for_drafter
 from dflash_mp.training.features import features_of
 
-if TYPE_CHECKING:
-    from bench import Bench
-
 TIMEOUT_S = 420
 
 
-def run(bench: Bench) -> dict:
+def run(bench: BenchState) -> dict:
     args = bench.args
     if "drafter" in bench.roles:  # the drafter-only objects make room for this process's colocated pair
         bench.trainer = bench.features = None

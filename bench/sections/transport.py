@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import TYPE_CHECKING
 
 import benchlib as bl
 import torch
 import torch.distributed as dist
+from benchlib.state import BenchState
 
 from dflash_mp.runtime.transport import Receiver, Sender, pack_tokens
-
-if TYPE_CHECKING:
-    from bench import Bench
 
 TIMEOUT_S = 120
 
 
-def run(bench: Bench) -> dict:
+def run(bench: BenchState) -> dict:
     args = bench.args
     sender_rank, receiver_rank = 0, bench.first_drafter
     if bench.rank not in (sender_rank, receiver_rank):
