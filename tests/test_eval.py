@@ -26,7 +26,7 @@ from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import build_drafter_config
 from dflash_mp.models.target import checkpoint_bytes
 from dflash_mp.reference import reference_train
-from dflash_mp.training.trainer import build_drafter
+from dflash_mp.training.recipe import build_drafter
 from tests.drafters import embedded_config, embedded_target, train_on_target_tokens
 
 NEW_TOKENS = 48

@@ -20,7 +20,7 @@ from dflash_mp.evaluation.decoding import speculative_generate
 from dflash_mp.export.cli import main
 from dflash_mp.export.hf import load_exported_drafter
 from dflash_mp.run import checkpoint
-from dflash_mp.training.trainer import build_drafter
+from dflash_mp.training.recipe import build_drafter
 from tests.drafters import embedded_config, embedded_target, train_on_target_tokens
 
 OVERRIDES = ("data.num_anchors=32",)

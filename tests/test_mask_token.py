@@ -18,7 +18,7 @@ from dflash_mp.config.schema import ConfigError, compose_config, run_config, to_
 from dflash_mp.config.validation import validate
 from dflash_mp.doctor import check_config
 from dflash_mp.embedded import embedded_path
-from dflash_mp.training.trainer import build_drafter
+from dflash_mp.training.recipe import build_drafter
 
 QWEN3_MASK_ID = 151669  # len(Qwen3's tokenizer), the id of the published Qwen3 DFlash drafters
 

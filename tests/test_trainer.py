@@ -17,7 +17,8 @@ from dflash_mp.runtime.roles import (
     make_reader,
 )
 from dflash_mp.training.features import features_of
-from dflash_mp.training.trainer import DrafterTrainer, lr_at
+from dflash_mp.training.recipe import lr_at
+from dflash_mp.training.trainer import DrafterTrainer
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():

@@ -125,7 +125,7 @@ def drafter_from_checkpoint(
 
     from dflash_mp.config.schema import to_dataclass
     from dflash_mp.run import checkpoint
-    from dflash_mp.training.trainer import build_drafter
+    from dflash_mp.training.recipe import build_drafter
 
     run_dir = Path(run_dir)
     config_path = run_dir / "config.yaml"

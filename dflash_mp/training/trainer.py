@@ -2,7 +2,8 @@
 
 One class serves both the drafter ranks of the multi-process runtime and the
 single-process reference trainer, so the two cannot drift apart: the runtime is correct
-when its loss column equals the reference's, bit for bit on CPU.
+when its loss column equals the reference's, bit for bit on CPU. What a step adds up and reads
+back in one copy is step_totals.py; the drafter and the lr schedule a config asks for, recipe.py.
 """
 
 from __future__ import annotations
@@ -11,76 +12,26 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash_mp.config.mask_token import mask_token_id
 from dflash_mp.config.precision import resolve_precision
-from dflash_mp.config.schema import RootConfig, read_target_config, resolved_target_layer_ids
+from dflash_mp.config.schema import RootConfig
 from dflash_mp.kernels.flash_attention import check_flash_supported
 from dflash_mp.models.drafter import DFlashDrafter
-from dflash_mp.models.drafter_config import DFLASH2_FIELDS, SCALING_DEFAULTS, build_drafter_config
 from dflash_mp.models.target import load_embedding_and_head
 from dflash_mp.objective.block_diffusion import drafter_loss, loss_blocks, per_position_accuracy
 from dflash_mp.objective.draft_blocks import DraftBlocks
-from dflash_mp.objective.selector_loss import add_selector_stats, pack_selector_totals, selector_metrics
+from dflash_mp.objective.selector_loss import selector_metrics
 from dflash_mp.run import checkpoint
 from dflash_mp.training.features import Features
+from dflash_mp.training.recipe import build_drafter, lr_at
+from dflash_mp.training.step_totals import LOSS_SUM, MICRO_BATCHES, SCORED, HostTotals, ReadBack, StepTotals
 from dflash_mp.training.streaming_adamw import StreamingAdamW, triton
 from dflash_mp.training.working_weights import WorkingWeights
-
-# Slots of the packed per-step vector (DrafterTrainer._pack_totals), then correct, count, selector.
-_LOSS_SUM, _SCORED, _MICRO_BATCHES = 0, 2, 3  # the token count is 1
-_COUNTERS = 9  # ... then sequences, bytes, bad records, too-long records, stop votes
-
-
-def lr_at(step: int, total_steps: int, peak: float, warmup_ratio: float, min_ratio: float) -> float:
-    """Linear warm-up then cosine decay to min_ratio * peak (DFlash recipe: 4% warm-up)."""
-    warmup = math.ceil(warmup_ratio * total_steps)
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total_steps - warmup)
-    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
-
-
-def build_drafter(cfg: RootConfig) -> DFlashDrafter:
-    """A freshly initialised drafter (identical on every rank: seeded by train.seed)."""
-    target = read_target_config(cfg.model.target_path)
-    layer_ids = resolved_target_layer_ids(cfg, int(target["num_hidden_layers"]))
-    config = build_drafter_config(
-        target,
-        draft_layers=cfg.model.draft_layers,
-        target_layer_ids=layer_ids,
-        block_size=cfg.model.block_size,
-        mask_token_id=mask_token_id(cfg.model),
-        arch=cfg.model.arch,
-        dflash2={key: getattr(cfg.model, key) for key in DFLASH2_FIELDS},
-        layer_types=None if cfg.model.layer_types is None else list(cfg.model.layer_types),
-        sliding_window=cfg.model.sliding_window,
-        scaling={key: getattr(cfg.model, key) for key in SCALING_DEFAULTS},
-    )
-    return DFlashDrafter(config, seed=cfg.train.seed)
-
-
-@dataclass
-class StepTotals:
-    """What a drafter rank accumulates over one optimizer step's micro-batches."""
-
-    micro_batches: int = 0
-    sequences: int = 0
-    bytes_received: int = 0
-    bad_records: int = 0
-    too_long_records: int = 0
-    correct: torch.Tensor | None = None
-    count: torch.Tensor | None = None
-    losses: list = field(default_factory=list)
-    scored: list = field(default_factory=list)  # per micro-batch: bool tensor, had loss tokens
-    # Token counts stay tensors: reading them per micro-batch would synchronise the GPU.
-    token_counts: list = field(default_factory=list)
-    selector: dict = field(default_factory=dict)  # DFlash 2 selector stats (selector_loss.py)
 
 
 @dataclass
@@ -162,7 +113,7 @@ class DrafterTrainer:
         self.step = 0
         self.nonfinite_in_a_row = 0  # skipped non-finite steps since the last applied one
         self.totals = StepTotals()
-        self._read_back_stream: torch.cuda.Stream | None = None
+        self._read_back = ReadBack()
         self._step_start = time.perf_counter()
 
     # ------------------------------------------------------------------ training
@@ -219,20 +170,7 @@ class DrafterTrainer:
             (loss / accumulation).backward()
         if self.working is not None:
             self.working.after_backward(last_of_step, data_parallel)
-        t = self.totals
-        t.losses.append(loss.detach().float())
-        # Stays a tensor (no host sync): whether this micro-batch had any loss token.
-        t.scored.append(stats["weight_sum"].detach() > 0)
-        t.micro_batches += 1
-        t.sequences += batch.num_sequences
-        if not empty:
-            t.token_counts.append(batch.lengths.sum())
-        t.bytes_received += batch.nbytes
-        t.bad_records += batch.bad_records
-        t.too_long_records += batch.too_long_records
-        t.correct = stats["correct"] if t.correct is None else t.correct + stats["correct"]
-        t.count = stats["count"] if t.count is None else t.count + stats["count"]
-        add_selector_stats(t.selector, stats.get("selector"))
+        self.totals.add(batch, loss, stats)
 
     def _placeholder(self, empty: Features) -> Features:
         """One all-padding sequence without loss tokens, shaped like the data (no new dtypes)."""
@@ -272,7 +210,7 @@ class DrafterTrainer:
         """
         cfg = self.cfg
         block = cfg.model.block_size
-        packed = self._pack_totals()
+        packed = self.totals.pack(block, self.device, self.stop_requested(), self.drafter.arch == "dflash2")
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(packed, group=self.group)
 
@@ -280,7 +218,7 @@ class DrafterTrainer:
         # and clipping bounds the norm of the rescaled gradient. Both become one multiplier that
         # stays on the device, so nothing here waits for the host.
         grads = self.optimizer.gradients()
-        factor = packed[_MICRO_BATCHES] / packed[_SCORED].clamp_min(1)
+        factor = packed[MICRO_BATCHES] / packed[SCORED].clamp_min(1)
         norm = torch.zeros((), dtype=torch.float64, device=self.device)
         if grads:
             # bf16 gradients (working weights) are summed in fp32 and give fp32 norms.
@@ -292,34 +230,29 @@ class DrafterTrainer:
         # Whether the update applies is decided on the device too (loss tokens, a finite loss and
         # norm), so AdamW is queued before the host reads anything: the device runs the update
         # while the host reads the step's numbers and prepares the next step.
-        applies = (packed[_SCORED] > 0) & torch.isfinite(packed[_LOSS_SUM]) & torch.isfinite(norm)
+        applies = (packed[SCORED] > 0) & torch.isfinite(packed[LOSS_SUM]) & torch.isfinite(norm)
         lr = lr_at(self.step, self.total_steps, cfg.optim.lr, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # The step's one host synchronisation; the copy is queued before the update.
-        read_back = self._start_read_back(
+        read_back = self._read_back.start(
             torch.cat([packed, norm.reshape(1), applies.reshape(1).to(torch.float64)])
         )
         if grads:
             self.optimizer.step(grad_multiplier=gradient_scale, applies=applies)
         if while_waiting is not None:
             while_waiting()
-        host = read_back()
-        loss_sum, tokens, scored, micro_batches, sequences, nbytes, bad, too_long, stops = host[
-            :_COUNTERS
-        ].tolist()
-        self.stop_agreed = stops > 0  # any drafter asked: all stop after this same step
-        correct, count = host[_COUNTERS : _COUNTERS + block], host[_COUNTERS + block : _COUNTERS + 2 * block]
-        applied = bool(host[-1])
-        if not applied:
+        host = HostTotals.unpack(read_back(), block)
+        self.stop_agreed = host.stop_votes > 0  # any drafter asked: all stop after this same step
+        if not host.applied:
             self.optimizer.uncount_last_step()
 
         loss, grad_norm, skip_reason = None, 0.0, None
-        if scored == 0:
+        if host.scored == 0:
             skip_reason = "no_loss_tokens"
         else:
-            grad_norm = float(host[-2])
-            loss = loss_sum / scored
+            grad_norm = host.grad_norm
+            loss = host.loss_sum / host.scored
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 if cfg.train.on_nonfinite == "stop":
                     raise FloatingPointError(
@@ -330,9 +263,9 @@ class DrafterTrainer:
                 self._count_nonfinite_in_a_row()
             else:
                 self.nonfinite_in_a_row = 0
-        if applied != (skip_reason is None):  # the device's rule and the host's must agree
+        if host.applied != (skip_reason is None):  # the device's rule and the host's must agree
             raise RuntimeError(
-                f"step {self.step + 1}: the device {'applied' if applied else 'skipped'} "
+                f"step {self.step + 1}: the device {'applied' if host.applied else 'skipped'} "
                 f"the update, the host says {skip_reason or 'apply'}"
             )
         self.optimizer.zero_grad(set_to_none=True)
@@ -345,19 +278,19 @@ class DrafterTrainer:
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,
-            "samples_per_s": sequences / elapsed,
-            "tokens_per_s": tokens / elapsed,
-            "acc": per_position_accuracy(correct, count),
-            "bytes_received": int(nbytes),
-            "bad_records": int(bad),
-            "too_long_records": int(too_long),
-            "micro_batches_without_loss": int(micro_batches - scored),
+            "samples_per_s": host.sequences / elapsed,
+            "tokens_per_s": host.tokens / elapsed,
+            "acc": per_position_accuracy(host.correct, host.count),
+            "bytes_received": int(host.nbytes),
+            "bad_records": int(host.bad_records),
+            "too_long_records": int(host.too_long_records),
+            "micro_batches_without_loss": int(host.micro_batches - host.scored),
             "skipped": skip_reason is not None,
             "skip_reason": skip_reason,
             "step_time_s": elapsed,
         }
         if self.drafter.arch == "dflash2":
-            record.update(selector_metrics(host[_COUNTERS + 2 * block : -2], count, scored))
+            record.update(selector_metrics(host.selector, host.count, host.scored))
         record.update(extra or {})
         self.totals = StepTotals()
         return record
@@ -376,64 +309,6 @@ class DrafterTrainer:
                 "hidden states and optim.lr; train.max_nonfinite_in_a_row sets how many are tolerated "
                 "(0: no limit)."
             )
-
-    def _start_read_back(self, values: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Queue `values`' copy to the host; the returned function waits for it.
-
-        On CUDA the copy runs on a side stream after what the current stream has queued so far, so
-        waiting for it does not wait for work queued later (AdamW's update).
-        """
-        if values.device.type != "cuda":
-            return lambda: values
-        if self._read_back_stream is None:
-            self._read_back_stream = torch.cuda.Stream(values.device)
-        stream = self._read_back_stream
-        stream.wait_stream(torch.cuda.current_stream(values.device))
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        with torch.cuda.stream(stream):
-            host.copy_(values, non_blocking=True)
-        values.record_stream(stream)  # its memory is not reused before the copy ran
-
-        def wait() -> torch.Tensor:
-            stream.synchronize()
-            return host
-
-        return wait
-
-    def _pack_totals(self) -> torch.Tensor:
-        """Every per-step number in one float64 vector on the device (one all-reduce, one read):
-        the _COUNTERS scalars, then correct [Bs], count [Bs], the DFlash 2 selector totals."""
-        t, block, device = self.totals, self.cfg.model.block_size, self.device
-        correct = t.correct if t.correct is not None else torch.zeros(block, device=device)
-        count = t.count if t.count is not None else torch.zeros(block, device=device)
-        no_tokens = torch.zeros((), dtype=torch.long, device=device)
-        local_tokens = torch.stack(t.token_counts).sum() if t.token_counts else no_tokens
-        local_scored = torch.stack(t.scored).sum() if t.scored else no_tokens
-        host_counters = torch.tensor(
-            [
-                t.micro_batches,
-                t.sequences,
-                t.bytes_received,
-                t.bad_records,
-                t.too_long_records,
-                float(self.stop_requested()),
-            ],
-            dtype=torch.float64,
-        )
-        if device.type == "cuda":
-            # A pageable host-to-device copy synchronises; from pinned memory it is queued like a kernel.
-            host_counters = host_counters.pin_memory()
-        return torch.cat(
-            [
-                torch.stack(t.losses).sum().reshape(1).to(device, torch.float64),
-                local_tokens.reshape(1).to(device, torch.float64),
-                local_scored.reshape(1).to(device, torch.float64),
-                host_counters.to(device, non_blocking=True),
-                correct.to(device, torch.float64),
-                count.to(device, torch.float64),
-                pack_selector_totals(t.selector, block, device, self.drafter.arch == "dflash2"),
-            ]
-        )
 
     def full_precision_weights(self) -> AbstractContextManager:
         """Inside, the drafter computes with fp32 weights (its masters where it has working copies):
