@@ -15,7 +15,7 @@ class Shape:
     """A target (Qwen3- or Llama-shaped), the drafter over it, and the training sequence shape.
 
     The drafter is always a DFlash (Qwen3-style) stack whose layers copy the target's shape
-    (hidden size, heads, MLP, RoPE): models.drafter.build_drafter_config reads them off the
+    (hidden size, heads, MLP, RoPE): models.drafter_config.build_drafter_config reads them off the
     target's config, so a Llama-shaped target gets a drafter at its hidden size and RoPE theta.
     """
 
