@@ -1,4 +1,4 @@
-"""GPU-performance benchmark of dflash_mp (issue 6): T target ranks (in tensor-parallel replicas of
+"""GPU-performance benchmark of dflash_mp: T target ranks (in tensor-parallel replicas of
 k) + D drafter ranks, by default 1 + 1 on 2 ranks, or 1 rank for both roles.
 
     torchrun --nproc-per-node 2 bench/bench.py --shape qwen3-8b --out bench.json    # 2 GPUs
@@ -9,7 +9,7 @@ k) + D drafter ranks, by default 1 + 1 on 2 ranks, or 1 rank for both roles.
         --targets 2 --target-parallel 2 --drafters 2                    # one TP=2 replica, 2 drafters
 
 Layouts (`--targets T --drafters D --target-parallel k`, T + D = WORLD_SIZE, k divides T; the
-layout of dflash_mp.topology.Topology): target_only runs on every target rank (a replica's ranks
+layout of dflash_mp.runtime.topology.Topology): target_only runs on every target rank (a replica's ranks
 run each forward together; reported per replica, rank 0's replica at the top), drafter_only on
 every drafter rank (DDP over the drafters when D > 1; the first drafter's at the top), transport
 between rank 0 and the first drafter, pipeline over the whole layout (run_target / run_drafter),
@@ -21,15 +21,16 @@ are skipped when its weights do not fit; a target shard that fits no GPU is refu
 
 Measures in one run, each after warm-up: the bf16 matmul peak of each GPU (the MFU denominator),
 the target alone (rank 0), the drafter alone (rank 1, one resident micro-batch), the transport alone
-(dflash_mp.transport next to raw send/recv), the real pipeline (run_target / run_drafter with a
+(dflash_mp.runtime.transport next to raw send/recv), the real pipeline (run_target / run_drafter with a
 synthetic reader, an in-memory random target and drafter), and the colocated baseline (target +
 drafter in every process, DDP over both). Models are random, built directly on the device.
 On demand (`--sections setup,profile`): a torch.profiler breakdown of a drafter step by phase.
 
-This file is the runner (rank roles, fault injection, watchdog, per-rank partial JSON, the
-exchange after every section); the flags are bench/options.py, the layouts bench/layout.py, each
-section is a module of bench/sections/, the headline numbers and the table are bench/summary.py,
-the helpers bench/benchlib/.
+This file is the runner (per-rank partial JSON, the watchdog, the exchange after every section);
+what the sections share (the rank's layout, job, config, resident models, fault injection) is
+bench/benchlib/state.py, the flags are bench/options.py, the layouts bench/layout.py, each section
+is a module of bench/sections/, the headline numbers and the table are bench/summary.py, the other
+helpers bench/benchlib/. Imports run one way: bench.py -> sections -> benchlib.
 
 Every section runs under try/except and a watchdog: an error is recorded in the JSON, a rank
 blocked on a failed or hung peer gives up after a timeout, and the JSON is rewritten after every
@@ -55,7 +56,6 @@ import time
 PROCESS_START = time.perf_counter()
 
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
 import sys  # noqa: E402
@@ -68,16 +68,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 import benchlib as bl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from benchlib.state import BenchState  # noqa: E402
 from layout import ROLES, Layout  # noqa: E402
 from options import default_out, layout_from_env, parse_args  # noqa: E402
 from sections import SECTIONS  # noqa: E402
 from summary import print_table, summarize  # noqa: E402
 
-from dflash_mp.distributed import init_job  # noqa: E402
 from dflash_mp.models.drafter import DFlashDrafter  # noqa: E402
-from dflash_mp.target_parallel import replica_mesh  # noqa: E402
-from dflash_mp.topology import Topology  # noqa: E402
-from dflash_mp.trainer import DrafterTrainer, resolve_precision  # noqa: E402
 
 SCHEMA = "dflash_mp.bench/1"
 # Sections whose ranks talk to each other (besides the exchange after every section): after a
@@ -91,123 +88,34 @@ TWO_RANKS_ONLY = {"pipeline", "transport"}
 SINGLE_RANK_SKIP = "needs 2 ranks (1 target + 1 drafter); this run has 1"
 # Sections that need a drafter rank: a target-only layout (--drafters 0) records them as skipped.
 DRAFTER_SECTIONS = {"drafter_only", "profile", "pipeline", "transport"}
-# Of a GPU's memory, what the weights of one model may take before it counts as not fitting.
-FITS_FRACTION = 0.9
 
 
-class Bench:
+class Bench(BenchState):
+    """The runner: runs each section on every rank under a watchdog, exchanges and merges the
+    ranks' records after it, and writes the JSON."""
+
     def __init__(self, args: argparse.Namespace, layout: Layout) -> None:
-        self.args = args
-        self.shape = bl.SHAPES[args.shape]
-        if args.block_size:
-            self.shape = dataclasses.replace(self.shape, block_size=args.block_size)
-        self.layout = layout
-        # One rank for both roles keeps the 1 + 1 topology (its trainer runs without DDP).
-        self.topology = Topology(
-            targets=layout.targets,
-            drafters=layout.drafters,
-            grad_accum=args.grad_accum,
-            target_parallel=layout.target_parallel,
-        )
-        world = layout.world
-        self.world = world
-        self.single = layout.single
-        self.target_parallel = layout.target_parallel
         # A previous run's partial files would read as a failed peer: each rank removes its own
         # before the rendezvous, so both are gone once init_job returns.
-        self.partial_paths = [f"{args.out}.rank{r}.partial.json" for r in range(world)]
+        self.partial_paths = [f"{args.out}.rank{r}.partial.json" for r in range(layout.world)]
         own = self.partial_paths[int(os.environ["RANK"])]
         if os.path.exists(own):
             os.remove(own)
-        # One rank plays both roles: no drafter group, so its trainer runs without DDP.
-        self.job = init_job(self.topology, args.device, drafter_group=not self.single)
-        self.rank, self.device = self.job.rank, self.job.device
-        # The roles this process plays: one per rank, both on 1 rank.
-        self.roles = layout.roles_of(self.rank)
-        # This target rank's replica as a DeviceMesh (tensor-parallel targets only).
-        self.mesh = replica_mesh(self.job.replica_group, self.device) if "target" in self.roles else None
-        self.process_start = PROCESS_START
-        self.startup_s = time.perf_counter() - PROCESS_START
-        self.cfg = bl.bench_config(
-            self.shape,
-            self.device,
-            args.micro_batch,
-            args.grad_accum,
-            args.override,
-            targets=layout.targets,
-            drafters=layout.drafters,
-            target_parallel=layout.target_parallel,
-        )
-        self.dtype, self.attention, self.compiled = resolve_precision(self.cfg, self.device)
-        self.gpu_memory_bytes = (
-            torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else None
-        )
-        self._check_target_fits()
-        self.B, self.A, self.S = args.micro_batch, args.grad_accum, self.shape.seq_len
-        self.feature_size = self.shape.hidden * len(self.shape.layer_ids)
-        self.first_drafter = layout.first_drafter
+        super().__init__(args, layout, PROCESS_START)
         communicating = set(COMMUNICATING)
         if self.target_parallel > 1:
             communicating |= COMMUNICATING_TP
         if layout.drafters > 1:
             communicating |= COMMUNICATING_DDP
         self.communicating = communicating
-        self.reader = bl.SyntheticReader(self.shape, self.B, seed=args.seed)
-        self.partial: dict = {"rank": self.rank, "sections": {}, "failed": None}
         self.merged: dict = self._header()
         self.process_elapsed = 0.0
         self.comm_failed = False
-        # Objects that live from one section to the next.
-        self.extractor = None
-        self.trainer: DrafterTrainer | None = None
-        self.features = None
-        self.peak_flops: float | None = None
-        self.sustained_flops: float | None = None  # matmuls' rate at the power limit (matmul_peak)
         self._aborting = threading.Lock()
         bl.install_recompile_log()
         self.watchdog = bl.Watchdog(self._peer_state, self._abort, grace_s=args.peer_grace)
 
     # ------------------------------------------------------------------ plumbing
-
-    def _check_target_fits(self) -> None:
-        """A target shard larger than a GPU fails here, naming the fix, before any model is built."""
-        needed = self.shape.target_weight_bytes(self.dtype.itemsize, self.target_parallel)
-        if self.gpu_memory_bytes and needed > FITS_FRACTION * self.gpu_memory_bytes:
-            fitting = self.shape.target_weight_bytes(self.dtype.itemsize, 2 * self.target_parallel)
-            raise SystemExit(
-                f"bench.py: --shape {self.args.shape}: one target rank would hold {needed / bl.GB:.0f} GB "
-                f"of weights at --target-parallel {self.target_parallel}, more than "
-                f"{FITS_FRACTION:.0%} of a GPU ({self.gpu_memory_bytes / bl.GB:.0f} GB): raise "
-                f"--target-parallel (at {2 * self.target_parallel}: {fitting / bl.GB:.0f} GB per rank) "
-                "and --targets with it"
-            )
-
-    def one_gpu_target_problem(self, beside: int = 0) -> str | None:
-        """Why a whole (TP=1) target does not fit one GPU next to `beside` bytes; None if it does."""
-        whole = self.shape.target_weight_bytes(self.dtype.itemsize)
-        if self.gpu_memory_bytes and whole + beside > FITS_FRACTION * self.gpu_memory_bytes:
-            extra = f" next to {beside / bl.GB:.0f} GB already resident" if beside else ""
-            return (
-                f"target does not fit one GPU: its weights take {whole / bl.GB:.0f} GB{extra}, "
-                f"the GPU has {self.gpu_memory_bytes / bl.GB:.0f} GB"
-            )
-        return None
-
-    def fault_at(self, section: str):
-        """`--fault`: a callable(call) that raises or hangs at the chosen section, rank and call."""
-
-        def check(call: int) -> None:
-            fault = self.args.fault
-            if fault and fault[0] == section and fault[1] == self.rank and fault[3] == call:
-                self.log(f"injecting fault: {fault}")
-                if fault[2] == "raise":
-                    raise RuntimeError(f"injected fault {fault}")
-                time.sleep(10**6)
-
-        return check
-
-    def log(self, message: str) -> None:
-        print(f"[bench r{self.rank} {time.perf_counter() - PROCESS_START:7.1f}s] {message}", flush=True)
 
     def _header(self) -> dict:
         cuda = self.device.type == "cuda"
@@ -428,29 +336,6 @@ class Bench:
             if os.path.exists(path):
                 os.remove(path)
         return 1 if failed and self.rank == 0 else 0
-
-    # ------------------------------------------------------------------ for the sections
-
-    def new_trainer(self, group) -> DrafterTrainer:
-        """A DrafterTrainer on a random drafter, embedding and head; `group` None: no DDP."""
-        drafter = bl.random_drafter(self.shape, self.device, seed=self.args.seed, model_cfg=self.cfg.model)
-        embed_and_head = bl.random_embed_and_head(self.shape, self.dtype, self.device, seed=self.args.seed)
-        return DrafterTrainer(
-            self.cfg,
-            self.device,
-            self.cfg.train.max_steps,
-            group=group,
-            drafter=drafter,
-            embed_and_head=embed_and_head,
-        )
-
-    def mfu(self, flops_per_s: float, gpus: int = 1) -> float | None:
-        """Useful FLOP/s over the peak of `gpus` GPUs like this rank's (a replica: target_parallel)."""
-        return flops_per_s / (gpus * self.peak_flops) if self.peak_flops else None
-
-    def mfu_at_sustained(self, flops_per_s: float) -> float | None:
-        """Useful FLOP/s over the matmul rate one GPU holds at its power limit (context for `mfu`)."""
-        return flops_per_s / self.sustained_flops if self.sustained_flops else None
 
 
 def _nccl_version() -> str | None:

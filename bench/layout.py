@@ -2,7 +2,7 @@
 
 Ranks [0, T) are target ranks, in replicas of k consecutive ranks (one tensor-parallel forward
 each, its first rank the leader); ranks [T, T+D) are drafter ranks (DDP among themselves when
-D > 1), as dflash_mp.topology.Topology lays out a training job. D = 0 is a target-only run (e.g.
+D > 1), as dflash_mp.runtime.topology.Topology lays out a training job. D = 0 is a target-only run (e.g.
 one TP=2 replica on 2 GPUs: the target sections and colocated). A 1-rank run plays both roles in
 its one process (no pipeline, no transport).
 """

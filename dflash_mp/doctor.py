@@ -16,10 +16,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from dflash_mp.config import ConfigError, RootConfig, to_dataclass
-from dflash_mp.launch.processes import zombie_children
-from dflash_mp.rundir import fresh_start_problem
-from dflash_mp.validation import processes_per_job, validate
+from dflash_mp.config.schema import ConfigError, RootConfig, to_dataclass
+from dflash_mp.config.validation import processes_per_job, validate
+from dflash_mp.run.processes import zombie_children
+from dflash_mp.run.rundir import fresh_start_problem
 
 REQUIRED_MODULES = ("torch", "transformers", "safetensors", "hydra", "omegaconf")
 # Enough for logs and a few checkpoints of a small drafter; a real drafter needs more (~16 B/param each).
@@ -95,7 +95,7 @@ def reading_checks(cfg: RootConfig) -> list[Check]:
     """The checks that read the data and the held-out prompts through the target's tokenizer
     (validate reads neither). Under plain torchrun rank 0 runs them before any heavy work."""
     from dflash_mp.data.preflight import check_data_sample
-    from dflash_mp.evaluation import eval_context_problem
+    from dflash_mp.evaluation.acceptance import eval_context_problem
 
     checks = [Check("data", *check_data_sample(cfg))]
     if cfg.eval.every:
@@ -192,7 +192,7 @@ def check_backends(uses_gpu: bool) -> Check:
 
 def check_attention(requested: str, dtype: str, uses_gpu: bool) -> Check:
     """The attention kernel train.attention comes to on this machine; an explicit flash must run here."""
-    from dflash_mp.models.flash_attention import flash_unusable_reason
+    from dflash_mp.kernels.flash_attention import flash_unusable_reason
 
     if not uses_gpu:
         if requested == "flash":

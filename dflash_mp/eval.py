@@ -6,14 +6,15 @@
         [--temperature T ...] [--thinking both|on|off] [--top-k K] [--top-p P] [--out FILE]
         [--server URL [--served-only] [--tolerance 0.1] ...]
 
-Decodes every prompt with the drafter proposing each block (`dflash_mp.decoding`; a DFlash 2
+Decodes every prompt with the drafter proposing each block (`dflash_mp.evaluation.decoding`; a DFlash 2
 drafter proposes through its candidate selector) and plainly with the target, and writes tau
-(mean acceptance length), per-position acceptance and the speedup (`dflash_mp.evaluation`).
+(mean acceptance length), per-position acceptance and the speedup (`dflash_mp.evaluation.acceptance`).
 With --benchmarks: the table over standard benchmark files (GSM8K, MATH-500, AIME, HumanEval,
-MBPP, LiveCodeBench, MT-Bench, Alpaca; `dflash_mp.benchmark_sets`), at temperatures 0 and 1 and
-with thinking on and off where the chat template has the switch (`dflash_mp.benchmark_table`).
-With --server, a running vLLM or SGLang server decodes the same prompts and its own acceptance
-counters are printed beside tau (`dflash_mp.served_acceptance`).
+MBPP, LiveCodeBench, MT-Bench, Alpaca; `dflash_mp.data.benchmark_sets`), at temperatures 0
+and 1 and with thinking on and off where the chat template has the switch
+(`dflash_mp.evaluation.benchmark_table`). With --server, a running vLLM or SGLang server decodes
+the same prompts and its own acceptance counters are printed beside tau
+(`dflash_mp.evaluation.served_acceptance`).
 """
 
 from __future__ import annotations
@@ -24,40 +25,25 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflash_mp.benchmark_sets import BenchmarkError, resolve_benchmarks
-from dflash_mp.benchmark_table import format_benchmark_table, plan_table, run_table
-
-# The decoding loop and the evaluator live in their own modules; their names stay importable here.
-from dflash_mp.decoding import (  # noqa: F401
-    Generation,
-    _rejection_sample,
-    autoregressive_generate,
-    speculative_generate,
-)
-from dflash_mp.evaluation import (  # noqa: F401
-    AcceptanceEvaluator,
+from dflash_mp.data.benchmark_sets import BenchmarkError, resolve_benchmarks
+from dflash_mp.evaluation.acceptance import (
     EvalError,
-    Prompt,
-    chat_messages,
-    check_drafter_fits,
     evaluate_acceptance,
     format_table,
     held_out_prompt_files,
-    load_eval_prompts,
     load_prompts,
     load_target_model,
-    prompt_messages,
     resolve_device,
-    stop_token_ids,
 )
-from dflash_mp.models.drafter import DFlashDrafter
-from dflash_mp.served_acceptance import (
+from dflash_mp.evaluation.benchmark_table import format_benchmark_table, plan_table, run_table
+from dflash_mp.evaluation.served_acceptance import (
     add_served_arguments,
     measure_served,
     print_served,
     report_served_only,
     served_summary,
 )
+from dflash_mp.models.drafter import DFlashDrafter
 
 # The DFlash authors' evaluation decodes up to 2048 new tokens (github.com/z-lab/dflash, benchmark.py).
 BENCHMARK_MAX_NEW_TOKENS = 2048
@@ -68,7 +54,7 @@ BENCHMARK_MAX_NEW_TOKENS = 2048
 
 def _load_drafter(path: Path, step: int | None) -> tuple[DFlashDrafter, Path | None]:
     """(drafter, its run directory if known) from an export, a checkpoint or a run directory."""
-    from dflash_mp.export import CONFIG_NAME, WEIGHTS_NAME, drafter_from_checkpoint, load_exported_drafter
+    from dflash_mp.export.hf import CONFIG_NAME, WEIGHTS_NAME, drafter_from_checkpoint, load_exported_drafter
 
     if (path / CONFIG_NAME).is_file() and (path / WEIGHTS_NAME).is_file():
         run_dir = path.parent if (path.parent / "config.yaml").is_file() else None

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import torch
 
-from dflash_mp.config import RootConfig
+from dflash_mp.config.precision import resolve_precision
+from dflash_mp.config.schema import RootConfig
 from dflash_mp.data import open_records
-from dflash_mp.roles import (
-    features_of,
+from dflash_mp.runtime.roles import (
     hidden_states_for_drafter,
     make_feature_extractor,
     make_reader,
     total_steps,
 )
-from dflash_mp.topology import Topology
-from dflash_mp.trainer import DrafterTrainer, resolve_precision
+from dflash_mp.runtime.topology import Topology
+from dflash_mp.training.features import features_of
+from dflash_mp.training.trainer import DrafterTrainer
 
 
 def reference_train(cfg: RootConfig, device: torch.device | str = "cpu", on_step=None) -> DrafterTrainer:
@@ -52,9 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m dflash_mp.reference [key=value ...]`: train in one process, print the loss curve."""
     import sys
 
-    from dflash_mp.config import compose_config, to_dataclass
-    from dflash_mp.distributed import pick_device
-    from dflash_mp.validation import validate
+    from dflash_mp.config.schema import compose_config, to_dataclass
+    from dflash_mp.config.validation import validate
+    from dflash_mp.runtime.distributed import pick_device
 
     cfg = to_dataclass(compose_config(sys.argv[1:] if argv is None else argv))
     validate(cfg)

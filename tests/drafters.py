@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
-from dflash_mp.config import RootConfig, compose_config, to_dataclass
+from dflash_mp.config.schema import RootConfig, compose_config, to_dataclass
 from dflash_mp.data import load_tokenizer
-from dflash_mp.eval import Prompt, autoregressive_generate, load_target_model, stop_token_ids
-from dflash_mp.roles import make_feature_extractor
-from dflash_mp.trainer import DrafterTrainer
-from dflash_mp.transport import Features
+from dflash_mp.evaluation.acceptance import Prompt, load_target_model, stop_token_ids
+from dflash_mp.evaluation.decoding import autoregressive_generate
+from dflash_mp.runtime.roles import make_feature_extractor
+from dflash_mp.training.features import Features
+from dflash_mp.training.trainer import DrafterTrainer
 
 
 def embedded_config(*overrides: str) -> RootConfig:

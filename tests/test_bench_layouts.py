@@ -23,10 +23,9 @@ from tests.test_bench import _positive, run_bench
 
 sys.path.insert(0, str(REPO / "bench"))
 import benchlib as bl  # noqa: E402
+from benchlib.state import BenchState  # noqa: E402
 from layout import Layout, LayoutError, resolve_layout  # noqa: E402
 from summary import projection_of_8  # noqa: E402
-
-from bench import Bench  # noqa: E402
 
 H200_BYTES = 141 * 10**9
 
@@ -105,10 +104,10 @@ def _bench_like(shape: str, target_parallel: int) -> SimpleNamespace:
 def test_a_target_that_fits_no_gpu_is_refused_or_its_one_gpu_sections_skipped() -> None:
     seventy = _bench_like("llama3-70b", 1)
     with pytest.raises(SystemExit, match="raise --target-parallel"):
-        Bench._check_target_fits(seventy)
-    Bench._check_target_fits(_bench_like("llama3-70b", 2))  # a 69 GB shard fits
-    assert "target does not fit one GPU" in Bench.one_gpu_target_problem(seventy)
-    assert Bench.one_gpu_target_problem(_bench_like("qwen3-8b", 2)) is None
+        BenchState._check_target_fits(seventy)
+    BenchState._check_target_fits(_bench_like("llama3-70b", 2))  # a 69 GB shard fits
+    assert "target does not fit one GPU" in BenchState.one_gpu_target_problem(seventy)
+    assert BenchState.one_gpu_target_problem(_bench_like("qwen3-8b", 2)) is None
 
 
 def test_projection_counts_target_gpus_in_whole_replicas() -> None:

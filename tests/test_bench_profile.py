@@ -11,7 +11,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import Kernel
 
-from dflash_mp.trainer import DrafterTrainer
+from dflash_mp.training.trainer import DrafterTrainer
 from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))

@@ -10,7 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_mp import doctor
-from dflash_mp.benchmark_sets import (
+from dflash_mp.config.schema import ConfigError, compose_config
+from dflash_mp.config.validation import validate
+from dflash_mp.data.benchmark_sets import (
     HUMANEVAL_REQUEST,
     REASON,
     BenchmarkError,
@@ -19,8 +21,6 @@ from dflash_mp.benchmark_sets import (
     resolve_benchmarks,
     split_spec,
 )
-from dflash_mp.config import ConfigError, compose_config
-from dflash_mp.validation import validate
 
 # One record of each set, with the fields its publisher's file has (values shortened).
 RECORDS = {

@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_mp.benchmark_sets import Conversation, resolve_benchmarks
-from dflash_mp.benchmark_table import (
+from dflash_mp.data import ChatRenderer
+from dflash_mp.data.benchmark_sets import Conversation, resolve_benchmarks
+from dflash_mp.eval import main
+from dflash_mp.evaluation.acceptance import AcceptanceEvaluator, EvalError
+from dflash_mp.evaluation.benchmark_table import (
     Sampling,
     decode_benchmark,
     format_benchmark_table,
@@ -23,10 +26,8 @@ from dflash_mp.benchmark_table import (
     serving_sampling,
     thinking_modes,
 )
-from dflash_mp.data import ChatRenderer
-from dflash_mp.eval import AcceptanceEvaluator, EvalError, main
-from dflash_mp.export import export_drafter
-from dflash_mp.trainer import build_drafter
+from dflash_mp.export.hf import export_drafter
+from dflash_mp.training.trainer import build_drafter
 from tests.conftest import REPO, job_env, read_metrics, run_train
 from tests.drafters import embedded_config, embedded_target
 from tests.test_benchmark_sets import RECORDS, write_jsonl, write_parquet

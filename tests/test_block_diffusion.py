@@ -11,14 +11,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
-from dflash_mp.block_diffusion import (
+from dflash_mp.kernels.block_mask import block_mask_mod, dense_block_mask, flex_block_mask
+from dflash_mp.objective.block_diffusion import (
     chunked_lm_head_loss,
     decay_weighted_ce,
     drafter_loss,
     per_position_accuracy,
 )
-from dflash_mp.block_mask import block_mask_mod, dense_block_mask, flex_block_mask
-from dflash_mp.draft_blocks import block_inputs, block_labels, context_positions, sample_anchors
+from dflash_mp.objective.draft_blocks import block_inputs, block_labels, context_positions, sample_anchors
 
 VOCAB, HIDDEN, NUM_FEATURE_LAYERS, BLOCK, MASK_ID = 50, 32, 2, 4, 49
 

@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config
 
-from dflash_mp.block_diffusion import drafter_loss
-from dflash_mp.block_mask import dense_block_mask
-from dflash_mp.draft_blocks import context_positions
+from dflash_mp.kernels.block_mask import dense_block_mask
 from dflash_mp.models.block_rows import BlockRows, expand_rows, scored_rows
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import build_drafter_config
+from dflash_mp.objective.block_diffusion import drafter_loss
+from dflash_mp.objective.draft_blocks import context_positions
 
 HIDDEN, BLOCK, MASK_ID, VOCAB = 32, 4, 99, 100
 TARGET = Qwen3Config(
@@ -151,7 +151,7 @@ def test_drafter_loss_spares_the_repeated_rows_with_the_same_loss_and_gradients(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_compiled_bf16_drafter_spares_rows_on_cuda_with_the_same_loss_and_gradients(monkeypatch) -> None:
     """As trained: bf16, compiled layers, FlashAttention 4 where it runs (else flex), block 16."""
-    from dflash_mp.models.flash_attention import flash_unusable_reason
+    from dflash_mp.kernels.flash_attention import flash_unusable_reason
 
     attention = "flash" if flash_unusable_reason(torch.device("cuda")) is None else "flex"
     target = Qwen3Config(

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_mp import checkpoint
+from dflash_mp.run import checkpoint
 
 
 def _state(step: int) -> checkpoint.TrainingState:
@@ -132,12 +132,12 @@ def test_a_deletion_of_an_old_checkpoint_cut_short_is_finished_by_the_next_save(
 
 
 def _resume(run_dir: Path, steps: int, warnings: list[str] | None = None):
-    """The first drafter's resume choice (roles.resume_step) over `run_dir`, warnings collected."""
+    """The first drafter's resume choice (resume.resume_step) over `run_dir`, warnings collected."""
     import logging
 
-    from dflash_mp.config import compose_config, to_dataclass
-    from dflash_mp.logs import get_logger
-    from dflash_mp.roles import resume_step
+    from dflash_mp.config.schema import compose_config, to_dataclass
+    from dflash_mp.run.logs import get_logger
+    from dflash_mp.runtime.resume import resume_step
 
     class Collect(logging.Handler):
         def emit(self, record):
@@ -183,7 +183,7 @@ def test_no_intact_checkpoint_fails_naming_every_one(tmp_path):
 
 
 def test_a_resume_that_leaves_nothing_to_train_is_refused(tmp_path):
-    from dflash_mp.resume import ResumeRefused
+    from dflash_mp.runtime.resume import ResumeRefused
 
     checkpoint.save(tmp_path / "checkpoints", _state(300), keep=3)
     with pytest.raises(ResumeRefused, match=r"at step 300 and this job ends at step 30 .*train.max_steps"):

@@ -2,7 +2,7 @@
 
 import torch
 
-from dflash_mp import clock
+from dflash_mp.runtime import clock
 
 
 def test_busy_is_measured_inside_spans_and_the_rest_is_waiting(monkeypatch):

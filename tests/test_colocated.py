@@ -16,11 +16,11 @@ import time
 import pytest
 
 from dflash_mp import doctor
-from dflash_mp.config import ConfigError, compose_config, to_dataclass
+from dflash_mp.config.schema import ConfigError, compose_config, to_dataclass
+from dflash_mp.config.validation import processes_per_job, validate
 from dflash_mp.launch.outcome import role_of_rank
-from dflash_mp.topology import Role, Topology
-from dflash_mp.validation import processes_per_job, validate
-from dflash_mp.watchdog import EXIT_PREEMPTED, read_heartbeats
+from dflash_mp.runtime.topology import Role, Topology
+from dflash_mp.runtime.watchdog import EXIT_PREEMPTED, read_heartbeats
 from tests.conftest import REPO, job_env, read_metrics
 
 
@@ -100,8 +100,8 @@ def test_a_colocated_rank_reads_the_next_steps_first_micro_batch_while_the_updat
     # happens once the update is queued, so the device does not wait for it (DESIGN.md).
     import torch
 
-    from dflash_mp.colocated import run_colocated
     from dflash_mp.data import MicroBatch
+    from dflash_mp.runtime.colocated import run_colocated
 
     events = []
     topology = Topology(0, 2, 2)  # 2 colocated ranks, 2 micro-batches per drafter and step

@@ -2,8 +2,8 @@
 
 import pytest
 
-from dflash_mp.config import ConfigError, compose_config, default_target_layer_ids, to_dataclass
-from dflash_mp.validation import validate
+from dflash_mp.config.schema import ConfigError, compose_config, default_target_layer_ids, to_dataclass
+from dflash_mp.config.validation import validate
 
 
 def _cfg(*overrides: str):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dflash_mp import doctor, embedded
-from dflash_mp.config import compose_config
+from dflash_mp.config.schema import compose_config
 from dflash_mp.data import ChatRenderer, JsonlIndex, load_tokenizer
 from dflash_mp.data.preflight import judge, sample_ids, sample_report
 
@@ -100,8 +100,8 @@ def test_doctor_reports_the_bundled_data_as_usable(tmp_path: Path) -> None:
 
 
 def test_config_names_bad_data_fields(tmp_path: Path) -> None:
-    from dflash_mp.config import ConfigError
-    from dflash_mp.validation import validate
+    from dflash_mp.config.schema import ConfigError
+    from dflash_mp.config.validation import validate
 
     overrides = [
         "data.on_too_long=cut",

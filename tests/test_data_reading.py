@@ -132,7 +132,7 @@ def test_running_bad_fraction_stops_the_reader_once_it_can_judge(tokenizer: Any,
 
 
 def test_too_long_counts_reach_the_step_metrics() -> None:
-    from dflash_mp.config import compose_config, to_dataclass
+    from dflash_mp.config.schema import compose_config, to_dataclass
     from dflash_mp.data import records_of_micro_batch
     from dflash_mp.reference import reference_train
 

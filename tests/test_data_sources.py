@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_mp.config import compose_config, to_dataclass
+from dflash_mp.config.schema import compose_config, to_dataclass
 from dflash_mp.data import (
     BadRecord,
     DataError,
@@ -21,7 +21,7 @@ from dflash_mp.data import (
     open_records,
     parse_record,
 )
-from dflash_mp.roles import make_reader
+from dflash_mp.runtime.roles import make_reader
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,7 +170,7 @@ def test_inputs_that_cannot_be_read_are_named_with_the_fix(tmp_path: Path) -> No
 
 
 def test_config_validation_accepts_every_input_kind_and_names_a_bad_one(tmp_path: Path) -> None:
-    from dflash_mp.validation import ConfigError, validate
+    from dflash_mp.config.validation import ConfigError, validate
 
     pq.write_table(_table([json.dumps({"text": "x"})]), tmp_path / "a.parquet")
     validate(_cfg([str(tmp_path / "a.parquet"), "hf:org/name:train"]), world_size=3)

@@ -14,12 +14,12 @@ import pytest
 import torch
 from dflash import model as reference
 
-from dflash_mp.decoding import _rejection_sample, speculative_generate
-from dflash_mp.evaluation import evaluate_acceptance, load_eval_prompts, stop_token_ids
-from dflash_mp.export import export_drafter, load_exported_drafter
-from dflash_mp.roles import make_feature_extractor
-from dflash_mp.trainer import DrafterTrainer
-from dflash_mp.transport import Features
+from dflash_mp.evaluation.acceptance import evaluate_acceptance, load_eval_prompts, stop_token_ids
+from dflash_mp.evaluation.decoding import _rejection_sample, speculative_generate
+from dflash_mp.export.hf import export_drafter, load_exported_drafter
+from dflash_mp.runtime.roles import make_feature_extractor
+from dflash_mp.training.features import Features
+from dflash_mp.training.trainer import DrafterTrainer
 from tests.drafters import embedded_config, embedded_target, train_on_target_tokens
 
 OVERRIDES = ("data.num_anchors=32", "model.arch=dflash2", "model.selector_rank=32")

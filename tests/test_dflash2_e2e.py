@@ -7,7 +7,7 @@ import pytest
 import torch
 from dflash.model import DFlash2DraftModel
 
-from dflash_mp.config import compose_config, to_dataclass
+from dflash_mp.config.schema import compose_config, to_dataclass
 from dflash_mp.reference import reference_train
 from tests.conftest import read_metrics, run_train
 

@@ -17,7 +17,7 @@ from dflash.model import DFlash2DraftModel
 from safetensors.torch import load_file
 from transformers import Qwen3Config
 
-from dflash_mp.export import export_drafter, load_exported_drafter
+from dflash_mp.export.hf import export_drafter, load_exported_drafter
 from dflash_mp.models import dflash2 as dflash2_module
 from dflash_mp.models.dflash2 import GroupedDynamicConv
 from dflash_mp.models.drafter import DFlashDrafter

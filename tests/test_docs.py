@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from dflash_mp.config import compose_config
+from dflash_mp.config.schema import compose_config
 from tests.conftest import REPO
 
 DOCS = sorted([REPO / "README.md", REPO / "BENCHMARKS.md", *(REPO / "docs").glob("*.md")])
@@ -17,6 +19,8 @@ CONFIG_GROUPS = ("data", "eval", "logger", "model", "optim", "topology", "train"
 FILE_SUFFIXES = ("safetensors", "json", "jsonl", "yaml", "py", "md", "txt", "log", "parquet", "arrow")
 # Roots of the repository's own paths; a cited path under one of them must exist.
 REPO_ROOTS = ("dflash_mp/", "bench/", "tests/", "conf/", "docs/", "launch/", ".ci/")
+# Where scripts name the package's modules (`python -m dflash_mp.X`, Hydra's `_target_:`).
+SCRIPTS = sorted([REPO / "Makefile", *(REPO / "launch").glob("*.sbatch"), *(REPO / "conf").rglob("*.yaml")])
 
 
 def _text(path: Path) -> str:
@@ -60,6 +64,37 @@ def _cited_paths(text: str) -> set[str]:
         for path in _brace_expanded(candidate)
         if path.startswith(REPO_ROOTS) and "*" not in path and "<" not in path
     }
+
+
+def _module_names(text: str) -> set[str]:
+    """`dflash_mp.x.y[.Name]`: a module of the package, or an object in one."""
+    return set(re.findall(r"(?<![\w/.-])(dflash_mp(?:\.[A-Za-z_]\w*)+)(?![\w/-])", text))
+
+
+def _resolves(name: str) -> bool:
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):  # the longest prefix that is a module, then attributes
+        module = ".".join(parts[:end])
+        try:
+            if importlib.util.find_spec(module) is None:
+                continue
+        except ModuleNotFoundError:  # a prefix that is a module, not a package, has no submodules
+            continue
+        value = importlib.import_module(module)
+        for attribute in parts[end:]:
+            if not hasattr(value, attribute):
+                return False
+            value = getattr(value, attribute)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("source", DOCS + SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_module_the_docs_and_scripts_name_exists(source: Path) -> None:
+    text = _text(source)
+    names = _module_names("\n".join(_code_spans(text)) if source.suffix == ".md" else text)
+    missing = sorted(name for name in names if not _resolves(name))
+    assert not missing, f"{source.name} names modules that do not exist: {missing}"
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)

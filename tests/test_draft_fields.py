@@ -24,17 +24,17 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 from transformers import Qwen3Config
 
-from dflash_mp.block_diffusion import chunked_lm_head_loss, decay_weighted_ce, drafter_loss
-from dflash_mp.block_mask import block_mask_mod, dense_block_mask, flex_block_mask
-from dflash_mp.config import ConfigError
-from dflash_mp.decoding import _propose, speculative_generate
-from dflash_mp.draft_blocks import block_inputs, block_labels, sample_anchors
-from dflash_mp.evaluation import load_eval_prompts, stop_token_ids
-from dflash_mp.export import export_drafter, load_exported_drafter
+from dflash_mp.config.schema import ConfigError
+from dflash_mp.config.validation import validate
+from dflash_mp.evaluation.acceptance import load_eval_prompts, stop_token_ids
+from dflash_mp.evaluation.decoding import _propose, speculative_generate
+from dflash_mp.export.hf import export_drafter, load_exported_drafter
+from dflash_mp.kernels.block_mask import block_mask_mod, dense_block_mask, flex_block_mask
 from dflash_mp.models import drafter as drafter_module
 from dflash_mp.models.drafter import DFlashDrafter, scale_logits
 from dflash_mp.models.drafter_config import build_drafter_config
-from dflash_mp.validation import validate
+from dflash_mp.objective.block_diffusion import chunked_lm_head_loss, decay_weighted_ce, drafter_loss
+from dflash_mp.objective.draft_blocks import block_inputs, block_labels, sample_anchors
 from tests.drafters import embedded_config, embedded_target, train_on_target_tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -510,7 +510,7 @@ def test_null_scaling_fields_follow_what_the_target_does(target_fields, expected
 def test_config_yaml_records_the_scaling_the_run_used(tmp_path):
     import shutil
 
-    from dflash_mp.config import compose_config, run_config, to_dataclass
+    from dflash_mp.config.schema import compose_config, run_config, to_dataclass
     from dflash_mp.embedded import target_dir
 
     target = tmp_path / "gemma-like"  # the embedded target, its config.json saying Gemma 2

@@ -12,7 +12,7 @@ from dflash.model import DFlashDraftModel, build_target_layer_ids
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import Qwen3Config
 
-from dflash_mp.export import export_drafter
+from dflash_mp.export.hf import export_drafter
 from dflash_mp.models import drafter as drafter_module
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import build_drafter_config

@@ -9,26 +9,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_mp.eval import (
+from dflash_mp.eval import main
+from dflash_mp.evaluation.acceptance import (
     AcceptanceEvaluator,
     EvalError,
     Prompt,
-    _rejection_sample,
-    autoregressive_generate,
     evaluate_acceptance,
     load_eval_prompts,
     load_prompts,
-    main,
-    speculative_generate,
+    require_room_for_target,
     stop_token_ids,
 )
-from dflash_mp.evaluation import require_room_for_target
-from dflash_mp.export import export_drafter
+from dflash_mp.evaluation.decoding import _rejection_sample, autoregressive_generate, speculative_generate
+from dflash_mp.export.hf import export_drafter
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import build_drafter_config
 from dflash_mp.models.target import checkpoint_bytes
 from dflash_mp.reference import reference_train
-from dflash_mp.trainer import build_drafter
+from dflash_mp.training.recipe import build_drafter
 from tests.drafters import embedded_config, embedded_target, train_on_target_tokens
 
 NEW_TOKENS = 48

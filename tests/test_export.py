@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from dflash_mp import export
-from dflash_mp.export import export_drafter, load_exported_drafter
+from dflash_mp.export import hf as export
+from dflash_mp.export.hf import export_drafter, load_exported_drafter
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import build_drafter_config
 

@@ -13,7 +13,7 @@ import torch
 from dflash import model as reference
 from transformers import AutoConfig, AutoModel, Qwen3Config
 
-from dflash_mp.export import MODELING_NAME, export_drafter, vllm_path_note
+from dflash_mp.export.hf import MODELING_NAME, export_drafter, vllm_path_note
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import build_drafter_config
 

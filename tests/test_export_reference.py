@@ -14,11 +14,13 @@ import torch
 from dflash import model as reference
 from omegaconf import OmegaConf
 
-from dflash_mp import checkpoint
-from dflash_mp.config import compose_config
-from dflash_mp.eval import load_eval_prompts, speculative_generate, stop_token_ids
-from dflash_mp.export import load_exported_drafter, main
-from dflash_mp.trainer import build_drafter
+from dflash_mp.config.schema import compose_config
+from dflash_mp.evaluation.acceptance import load_eval_prompts, stop_token_ids
+from dflash_mp.evaluation.decoding import speculative_generate
+from dflash_mp.export.cli import main
+from dflash_mp.export.hf import load_exported_drafter
+from dflash_mp.run import checkpoint
+from dflash_mp.training.recipe import build_drafter
 from tests.drafters import embedded_config, embedded_target, train_on_target_tokens
 
 OVERRIDES = ("data.num_anchors=32",)

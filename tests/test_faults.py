@@ -20,10 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_mp.config import compose_config, to_dataclass
+from dflash_mp.config.schema import compose_config, to_dataclass
 from dflash_mp.launch.outcome import EXIT_FAILED, read_job_state
-from dflash_mp.launch.processes import group_members, job_processes
-from dflash_mp.watchdog import EXIT_HUNG, EXIT_PREEMPTED, FAULT_ENV, FAULT_EXIT_CODE, read_heartbeats
+from dflash_mp.run.processes import group_members, job_processes
+from dflash_mp.runtime.watchdog import EXIT_HUNG, EXIT_PREEMPTED, FAULT_ENV, FAULT_EXIT_CODE, read_heartbeats
 from tests.conftest import REPO, job_env, read_metrics, run_train
 
 # Small and quick; logger.progress_every keeps the console quiet.
@@ -111,7 +111,7 @@ def launch(tmp_path):
 def test_fault_hook_and_in_process_watchdog(tmp_path, kind, code):
     """DFLASH_MP_FAULT fires at the first heartbeat of its step; a hang ends with EXIT_HUNG."""
     script = textwrap.dedent(f"""
-        from dflash_mp import watchdog
+        from dflash_mp.runtime import watchdog
         watchdog.start({str(tmp_path)!r}, rank=1, role="target", timeout_s=1.0)
         watchdog.beat("tokenize", 2)
         print("survived step 2", flush=True)
@@ -272,7 +272,7 @@ def test_a_target_killed_after_it_finished_sending_is_named_as_the_failure(launc
 WAITING_RANK = textwrap.dedent("""
     import json, sys, threading, time
     from pathlib import Path
-    from dflash_mp import watchdog
+    from dflash_mp.runtime import watchdog
     watchdog.PEER_GRACE_S = 2.0  # the same rules, sooner
     run_dir, me, my_phase, peer = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
     (run_dir / "heartbeats").mkdir(parents=True)

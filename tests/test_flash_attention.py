@@ -17,12 +17,12 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 from transformers import Qwen3Config
 
-from dflash_mp.block_diffusion import drafter_loss
-from dflash_mp.block_mask import FLEX_TILE, block_mask_mod, tile_block_mask
+from dflash_mp.kernels import flash_attention
+from dflash_mp.kernels.block_mask import FLEX_TILE, block_mask_mod, tile_block_mask
 from dflash_mp.models import drafter as drafter_module
-from dflash_mp.models import flash_attention
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import build_drafter_config
+from dflash_mp.objective.block_diffusion import drafter_loss
 from tests.test_block_diffusion import make_sequences
 
 HIDDEN, VOCAB, BLOCK, SEQ_LEN = 64, 300, 16, 150
@@ -201,7 +201,7 @@ def _compare_with_fp32_sdpa(context_len: int) -> None:
     """FA4 with the CuTe rule against fp32 SDPA on the dense mask, at the tolerance bf16 flex meets
     (test_block_diffusion). Flex itself is not run here: compiling it for more shapes in one process
     pushed flex_attention past dynamo's recompile limit, and later GPU tests got its eager fallback."""
-    from dflash_mp.block_mask import dense_block_mask
+    from dflash_mp.kernels.block_mask import dense_block_mask
     from tests.test_block_diffusion import random_anchors
 
     num_anchors, block_size, heads, kv_heads, head_dim = 37, 16, 8, 2, 128
@@ -265,21 +265,21 @@ def test_doctor_says_which_attention_runs_and_refuses_a_flash_that_cannot(monkey
 
 
 def test_auto_attention_takes_flash_only_where_it_runs(monkeypatch) -> None:
-    from dflash_mp import trainer
+    from dflash_mp.config import precision
     from tests.drafters import embedded_config
 
     cfg = embedded_config()
-    assert trainer.resolve_precision(cfg, torch.device("cpu"))[1] == "sdpa"
+    assert precision.resolve_precision(cfg, torch.device("cpu"))[1] == "sdpa"
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(trainer, "flash_unusable_reason", lambda device: None)
-    assert trainer.resolve_precision(cfg, cuda)[1] == "flash"
-    assert trainer.resolve_precision(embedded_config("train.dtype=float32"), cuda)[1] == "flex"
-    monkeypatch.setattr(trainer, "flash_unusable_reason", lambda device: "not installed")
-    assert trainer.resolve_precision(cfg, cuda)[1] == "flex"
+    monkeypatch.setattr(precision, "flash_unusable_reason", lambda device: None)
+    assert precision.resolve_precision(cfg, cuda)[1] == "flash"
+    assert precision.resolve_precision(embedded_config("train.dtype=float32"), cuda)[1] == "flex"
+    monkeypatch.setattr(precision, "flash_unusable_reason", lambda device: "not installed")
+    assert precision.resolve_precision(cfg, cuda)[1] == "flex"
 
 
 def test_flash_on_cpu_or_in_fp32_is_refused_before_any_work() -> None:
-    from dflash_mp.validation import ConfigError, validate
+    from dflash_mp.config.validation import ConfigError, validate
     from tests.drafters import embedded_config
 
     for override in ("train.device=cpu", "train.dtype=float32"):

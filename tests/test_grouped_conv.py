@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_mp.models import grouped_conv
+from dflash_mp.kernels import grouped_conv
+from dflash_mp.kernels.grouped_conv import GroupedConvolution, convolve_with_tensor_ops, triton
 from dflash_mp.models.dflash2 import grouped_dynamic_convolve
-from dflash_mp.models.grouped_conv import GroupedConvolution, convolve_with_tensor_ops, triton
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or triton is None, reason="needs CUDA and Triton"

@@ -17,10 +17,11 @@ import time
 import pytest
 
 from dflash_mp import doctor
-from dflash_mp.config import compose_config
+from dflash_mp.config.schema import compose_config
 from dflash_mp.embedded import embedded_path
-from dflash_mp.launch import outcome, processes, supervisor
-from dflash_mp.watchdog import EXIT_PREEMPTED
+from dflash_mp.launch import outcome, supervisor
+from dflash_mp.run import processes
+from dflash_mp.runtime.watchdog import EXIT_PREEMPTED
 from tests.conftest import REPO, job_env, read_metrics
 from tests.test_faults import FAST, last_lines, leftovers, wait_until
 
@@ -518,7 +519,7 @@ def test_each_job_keeps_its_compile_caches_under_the_run_dir_unless_set(tmp_path
 ORPHAN = """
 import json, os, socket, sys, time
 from pathlib import Path
-from dflash_mp.rundir import lock_run_dir
+from dflash_mp.run.rundir import lock_run_dir
 lock = lock_run_dir(Path(sys.argv[1]))
 os.ftruncate(lock.fd, 0)
 os.pwrite(lock.fd, json.dumps({"pid": int(sys.argv[2]), "host": socket.gethostname()}).encode(), 0)
@@ -530,7 +531,7 @@ time.sleep(600)
 def test_stop_and_status_work_from_the_run_dir_when_the_supervisor_is_gone(tmp_path):
     """A process of a job outlived its killed supervisor and holds the run directory: the refusal
     says the recorded pid has exited and names who holds the lock; status says so; stop ends it."""
-    from dflash_mp.rundir import RunDirBusy, lock_run_dir
+    from dflash_mp.run.rundir import RunDirBusy, lock_run_dir
 
     run = tmp_path / "orphaned"
     dead = subprocess.Popen(["true"])
@@ -567,7 +568,7 @@ def test_killing_the_launcher_ends_the_whole_job(tmp_path, adopt_orphans):
     """kill -9 of `python -m dflash_mp.launch run`: its torchrun agent gets the stop it would get
     from `stop` (the drafter checkpoints), every rank ends, the run directory is free again, and
     status and stop tell what happened."""
-    from dflash_mp.rundir import lock_run_dir
+    from dflash_mp.run.rundir import lock_run_dir
     from tests.test_faults import LaunchedJob
 
     job = LaunchedJob(

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_mp.block_diffusion import chunked_lm_head_loss
-from dflash_mp.config import compose_config, to_dataclass
-from dflash_mp.trainer import DrafterTrainer
+from dflash_mp.config.schema import compose_config, to_dataclass
+from dflash_mp.objective.block_diffusion import chunked_lm_head_loss
+from dflash_mp.training.trainer import DrafterTrainer
 from tests.test_block_diffusion import loss_problem
 from tests.test_trainer import _micro_batch
 

@@ -8,12 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mp.config import ConfigError, compose_config, run_config, to_dataclass
+from dflash_mp.config.mask_token import (
+    MaskTokenError,
+    load_mask_token,
+    resolve_mask_token,
+    save_run_tokenizer,
+)
+from dflash_mp.config.schema import ConfigError, compose_config, run_config, to_dataclass
+from dflash_mp.config.validation import validate
 from dflash_mp.doctor import check_config
 from dflash_mp.embedded import embedded_path
-from dflash_mp.mask_token import MaskTokenError, load_mask_token, resolve_mask_token, save_run_tokenizer
-from dflash_mp.trainer import build_drafter
-from dflash_mp.validation import validate
+from dflash_mp.training.recipe import build_drafter
 
 QWEN3_MASK_ID = 151669  # len(Qwen3's tokenizer), the id of the published Qwen3 DFlash drafters
 

@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from dflash_mp.config import compose_config, to_dataclass
-from dflash_mp.metrics import MetricsLogger, MetricsWriteError
-from dflash_mp.plot import read_metrics
+from dflash_mp.config.schema import compose_config, to_dataclass
+from dflash_mp.run.metrics import MetricsLogger, MetricsWriteError
+from dflash_mp.run.plots import read_metrics
 from tests.conftest import read_metrics as read_test_metrics
 
 
@@ -56,7 +56,7 @@ def test_a_failed_metrics_write_names_the_file_the_cause_and_what_is_kept(tmp_pa
 
 
 def test_a_job_whose_every_step_was_skipped_fails_naming_the_reasons():
-    from dflash_mp.metrics import NothingTrained, StepTally
+    from dflash_mp.run.metrics import NothingTrained, StepTally
 
     tally = StepTally()
     for step in range(1, 6):

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mp.plot import _smooth, main
+from dflash_mp.plot import main
+from dflash_mp.run.plots import _smooth
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -6,11 +6,12 @@ import shutil
 
 import pytest
 
-from dflash_mp import doctor, train, watchdog
-from dflash_mp.config import CONF_DIR, ConfigError, compose_config, to_dataclass
+from dflash_mp import doctor, train
+from dflash_mp.config.schema import CONF_DIR, ConfigError, compose_config, to_dataclass
+from dflash_mp.config.validation import validate
 from dflash_mp.embedded import embedded_path, target_dir
-from dflash_mp.trainer import build_drafter
-from dflash_mp.validation import validate
+from dflash_mp.runtime import watchdog
+from dflash_mp.training.recipe import build_drafter
 
 # num_hidden_layers of each preset's real target (its config.json; text_config for Qwen3.5/3.6).
 TARGET_LAYERS = {

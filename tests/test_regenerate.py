@@ -13,7 +13,8 @@ import torch
 
 from dflash_mp.data import load_tokenizer, tokenize_chat
 from dflash_mp.embedded import embedded_path
-from dflash_mp.eval import autoregressive_generate, load_target_model, stop_token_ids
+from dflash_mp.evaluation.acceptance import load_target_model, stop_token_ids
+from dflash_mp.evaluation.decoding import autoregressive_generate
 from dflash_mp.regenerate import RegenerateError, Settings, main, read_parts, regenerate
 from dflash_mp.regenerate import local as regen
 from tests.conftest import REPO, job_env

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_mp import checkpoint
-from dflash_mp.config import compose_config, to_dataclass
-from dflash_mp.resume import ResumeRefused, check_layout, data_files_fingerprint, data_layout
-from dflash_mp.roles import load_resume_state
-from dflash_mp.topology import Topology
+from dflash_mp.config.schema import compose_config, to_dataclass
+from dflash_mp.run import checkpoint
+from dflash_mp.runtime.resume import (
+    ResumeRefused,
+    check_layout,
+    data_files_fingerprint,
+    data_layout,
+    load_resume_state,
+)
+from dflash_mp.runtime.topology import Topology
 
 
 def _layout(tmp_path, *overrides: str, targets: int = 1, drafters: int = 1, records: int = 3, step: int = 5):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_mp import checkpoint
+from dflash_mp.run import checkpoint
 from tests.conftest import read_metrics, run_train
 
 pytestmark = pytest.mark.slow

@@ -13,10 +13,10 @@ import textwrap
 
 import pytest
 
-from dflash_mp.config import ConfigError, compose_config
-from dflash_mp.distributed import process_group_timeout_s
-from dflash_mp.metrics import wandb_run_id
-from dflash_mp.rundir import (
+from dflash_mp.config.schema import ConfigError, compose_config
+from dflash_mp.config.validation import validate
+from dflash_mp.run.metrics import wandb_run_id
+from dflash_mp.run.rundir import (
     CONFIG_HISTORY_NAME,
     RunDirBusy,
     clear_run_dir,
@@ -24,14 +24,14 @@ from dflash_mp.rundir import (
     lock_run_dir,
     record_config,
 )
-from dflash_mp.validation import validate
-from dflash_mp.watchdog import PEER_GRACE_S
+from dflash_mp.runtime.distributed import process_group_timeout_s
+from dflash_mp.runtime.watchdog import PEER_GRACE_S
 from tests.conftest import REPO, job_env
 
 HOLD_LOCK = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from dflash_mp.rundir import lock_run_dir
+    from dflash_mp.run.rundir import lock_run_dir
     lock_run_dir(Path(sys.argv[1]))
     print("locked", flush=True)
     time.sleep(600)
@@ -111,8 +111,8 @@ def test_the_process_groups_time_out_after_the_watchdog_would_have_fired(tmp_pat
     groups init_job builds time out after watchdog.timeout_s plus more than the waiting grace."""
     script = textwrap.dedent("""
         import sys, torch
-        from dflash_mp.distributed import init_job, process_group_timeout_s
-        from dflash_mp.topology import Topology
+        from dflash_mp.runtime.distributed import init_job, process_group_timeout_s
+        from dflash_mp.runtime.topology import Topology
         job = init_job(Topology(1, 1, 1), "cpu", timeout_s=process_group_timeout_s(float(sys.argv[1])),
                        drafter_group=False)
         for group in (torch.distributed.group.WORLD, job.meta_group):

@@ -19,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_mp import checkpoint
-from dflash_mp.config import compose_config, to_dataclass
+from dflash_mp.config.schema import compose_config, to_dataclass
 from dflash_mp.embedded import embedded_path
-from dflash_mp.watchdog import FAULT_ENV, read_heartbeats
+from dflash_mp.run import checkpoint
+from dflash_mp.runtime.watchdog import FAULT_ENV, read_heartbeats
 from tests.conftest import REPO, job_env, read_metrics, run_train
 
 pytestmark = pytest.mark.slow

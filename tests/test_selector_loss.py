@@ -7,11 +7,16 @@ import math
 import pytest
 import torch
 
-from dflash_mp.block_diffusion import lm_head_loss_and_candidates
-from dflash_mp.draft_blocks import block_labels
 from dflash_mp.models.dflash2 import CandidateSelector
 from dflash_mp.models.drafter import scale_logits
-from dflash_mp.selector_loss import candidate_logits, pack_selector_totals, selector_loss, selector_metrics
+from dflash_mp.objective.block_diffusion import lm_head_loss_and_candidates
+from dflash_mp.objective.draft_blocks import block_labels
+from dflash_mp.objective.selector_loss import (
+    candidate_logits,
+    pack_selector_totals,
+    selector_loss,
+    selector_metrics,
+)
 
 VOCAB, HIDDEN, RANK, TOP_K, BLOCK = 40, 16, 6, 4, 5
 
@@ -184,9 +189,9 @@ def test_dflash2_loss_on_cuda_flex_equals_sdpa_and_a_warm_step_never_syncs() -> 
 
     from transformers import Qwen3Config
 
-    from dflash_mp.block_diffusion import drafter_loss
     from dflash_mp.models.drafter import DFlashDrafter
     from dflash_mp.models.drafter_config import build_drafter_config
+    from dflash_mp.objective.block_diffusion import drafter_loss
 
     target = Qwen3Config(
         hidden_size=64,

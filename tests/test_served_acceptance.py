@@ -18,15 +18,15 @@ from omegaconf import OmegaConf
 
 from dflash_mp.embedded import embedded_path
 from dflash_mp.eval import main
-from dflash_mp.evaluation import prompt_records
-from dflash_mp.export import export_drafter
-from dflash_mp.served_acceptance import (
+from dflash_mp.evaluation.acceptance import prompt_records
+from dflash_mp.evaluation.served_acceptance import (
     ServedAcceptance,
     measure_served,
     prometheus_samples,
     served_summary,
 )
-from dflash_mp.trainer import build_drafter
+from dflash_mp.export.hf import export_drafter
+from dflash_mp.training.trainer import build_drafter
 from tests.drafters import embedded_config
 
 BLOCK_SIZE = 8  # the embedded config's

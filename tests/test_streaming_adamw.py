@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from dflash_mp import streaming_adamw
-from dflash_mp.streaming_adamw import StreamingAdamW
+from dflash_mp.training import streaming_adamw
+from dflash_mp.training.streaming_adamw import StreamingAdamW
 
 # The Triton pass runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

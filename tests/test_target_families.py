@@ -19,11 +19,11 @@ import torch
 import transformers
 from dflash.model import DFlashDraftModel
 
-from dflash_mp.config import ConfigError
+from dflash_mp.config.schema import ConfigError
+from dflash_mp.config.validation import validate
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import build_drafter_config
 from dflash_mp.models.target import TargetFeatureExtractor
-from dflash_mp.validation import validate
 from tests.conftest import REPO, job_env, read_metrics
 from tests.drafters import embedded_config
 from tests.target_families import FAMILIES, LAYER_KINDS, ensure_family_target, family_config
@@ -91,7 +91,7 @@ def test_an_mla_target_gives_plain_heads_of_its_value_width() -> None:
 def test_partial_rotary_is_not_exported(name: str, tmp_path: Path) -> None:
     """vLLM rotates head_dim * partial_rotary_factor dims when the drafter's rope_parameters carry
     it, SGLang, the reference and our training the whole head: the export leaves it out."""
-    from dflash_mp.export import export_drafter
+    from dflash_mp.export.hf import export_drafter
 
     assert family_config(name).get_text_config().rope_parameters["partial_rotary_factor"] < 1
     export_drafter(DFlashDrafter(_drafter_config(name)), tmp_path / "export")

@@ -13,13 +13,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen3Config
 
-from dflash_mp.config import ConfigError, compose_config, to_dataclass
+from dflash_mp.config.schema import ConfigError, compose_config, to_dataclass
+from dflash_mp.config.validation import target_parallel_head_problems, validate
 from dflash_mp.embedded import target_dir
 from dflash_mp.models.target import TargetFeatureExtractor
 from dflash_mp.models.tensor_parallel import layer_plan
-from dflash_mp.target_parallel import replica_mesh
-from dflash_mp.topology import target_parallel_head_problems
-from dflash_mp.validation import validate
+from dflash_mp.runtime.target_parallel import replica_mesh
 from tests.conftest import read_metrics, run_train
 
 LAYER_IDS = [1, 3]

@@ -19,12 +19,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
 
-from dflash_mp.config import ConfigError
+from dflash_mp.config.schema import ConfigError
+from dflash_mp.config.validation import validate
 from dflash_mp.models.parallel_styles import ExpertsParallel, PerHeadParameters
 from dflash_mp.models.target import TargetFeatureExtractor
 from dflash_mp.models.tensor_parallel import layer_plan, plan_problems
-from dflash_mp.target_parallel import replica_mesh
-from dflash_mp.validation import validate
+from dflash_mp.runtime.target_parallel import replica_mesh
 from tests.target_families import ensure_family_target, family_config
 from tests.test_target_families import TOKENS, custom_recipe
 from tests.test_target_parallel import _free_port

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_mp.top_k import _triton_group_maxima, group_maxima, top_k_ids, triton
+from dflash_mp.kernels.top_k import _triton_group_maxima, group_maxima, top_k_ids, triton
 
 
 @pytest.mark.parametrize("vocab", [100, 1000, 128 * 17 + 5, 4096])

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from dflash_mp.roles import drafter_indices
-from dflash_mp.topology import Role, Topology
+from dflash_mp.runtime.roles import drafter_indices
+from dflash_mp.runtime.topology import Role, Topology
 
 
 @pytest.mark.parametrize("targets,drafters,accum", [(1, 1, 1), (2, 1, 4), (5, 3, 2), (3, 5, 1), (2, 2, 3)])

@@ -9,10 +9,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dflash_mp.config import compose_config, to_dataclass
+from dflash_mp.config.schema import compose_config, to_dataclass
 from dflash_mp.data import JsonlIndex
-from dflash_mp.roles import features_of, hidden_states_for_drafter, make_feature_extractor, make_reader
-from dflash_mp.trainer import DrafterTrainer, lr_at
+from dflash_mp.runtime.roles import (
+    hidden_states_for_drafter,
+    make_feature_extractor,
+    make_reader,
+)
+from dflash_mp.training.features import features_of
+from dflash_mp.training.recipe import lr_at
+from dflash_mp.training.trainer import DrafterTrainer
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
@@ -90,7 +96,7 @@ def test_skipping_non_finite_steps_stops_once_too_many_come_in_a_row():
 
 def test_wandb_runs_offline_and_never_writes_the_api_key(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from dflash_mp.metrics import MetricsLogger
+    from dflash_mp.run.metrics import MetricsLogger
 
     secret = "0123456789abcdef0123456789abcdef01234567"
     monkeypatch.setenv("WANDB_API_KEY", secret)
@@ -210,7 +216,7 @@ def test_a_step_without_loss_tokens_leaves_weights_and_optimizer_alone(device):
 
 
 def test_wandb_gets_every_per_position_list_flattened(tmp_path):
-    from dflash_mp.metrics import MetricsLogger
+    from dflash_mp.run.metrics import MetricsLogger
 
     logged = []
 

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash_mp import roles, transport
-from dflash_mp.config import compose_config, to_dataclass
-from dflash_mp.topology import Topology
-from dflash_mp.transport import Receiver, Sender, pack_tokens, unpack_tokens
+from dflash_mp.config.schema import compose_config, to_dataclass
+from dflash_mp.runtime import roles, transport
+from dflash_mp.runtime.topology import Topology
+from dflash_mp.runtime.transport import Receiver, Sender, pack_tokens, unpack_tokens
 
 SHAPES = [(2, 7), (1, 13), (3, 5), (0, 0), (2, 9)]  # (sequences, length); (0, 0): all records were bad
 FEATURES = 12

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_mp import weighted_rows
-from dflash_mp.weighted_rows import weighted_row_sum
+from dflash_mp.kernels import weighted_rows
+from dflash_mp.kernels.weighted_rows import weighted_row_sum
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or weighted_rows.triton is None, reason="needs CUDA and Triton"

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dflash_mp.config import compose_config, to_dataclass
-from dflash_mp.trainer import DrafterTrainer
+from dflash_mp.config.schema import compose_config, to_dataclass
+from dflash_mp.training.trainer import DrafterTrainer
 from tests.test_trainer import _micro_batch
 
 OVERRIDES = ["train.max_steps=4", "train.micro_batch_size=2"]

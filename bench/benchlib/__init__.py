@@ -3,7 +3,8 @@
 shapes: the benchmark shapes and their config. synthetic: random micro-batches and models built on
 the device. flops: useful-FLOP counts. timing: device-timeline marks, statistics, the matmul peak,
 memory. compile_watch: recompilations after warm-up. jsonio: JSON between ranks and on disk.
-watchdog: deadlines and failed peers. power: energy, power and clock from NVML.
+watchdog: deadlines and failed peers. power: energy, power and clock from NVML. state: what the
+sections share (`benchlib.state.BenchState`, imported by name: it builds the job's process groups).
 """
 
 from .compile_watch import CompileWatch, compile_seconds, frames_compiled_total, install_recompile_log

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from dflash_mp.config import default_target_layer_ids
+from dflash_mp.config.schema import default_target_layer_ids
 
 
 @dataclass(frozen=True)

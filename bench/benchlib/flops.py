@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dflash_mp.config import RootConfig
+from dflash_mp.config.schema import RootConfig
 from dflash_mp.data import MicroBatch
-from dflash_mp.draft_blocks import block_labels, sample_anchors
 from dflash_mp.models.target import TargetFeatureExtractor
+from dflash_mp.objective.draft_blocks import block_labels, sample_anchors
 
 from .shapes import Shape
 from .synthetic import count_params

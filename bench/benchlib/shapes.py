@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
-from dflash_mp.config import RootConfig, compose_config, default_target_layer_ids, to_dataclass
+from dflash_mp.config.schema import RootConfig, compose_config, default_target_layer_ids, to_dataclass
 
 
 @dataclass(frozen=True)
@@ -15,7 +15,7 @@ class Shape:
     """A target (Qwen3- or Llama-shaped), the drafter over it, and the training sequence shape.
 
     The drafter is always a DFlash (Qwen3-style) stack whose layers copy the target's shape
-    (hidden size, heads, MLP, RoPE): models.drafter.build_drafter_config reads them off the
+    (hidden size, heads, MLP, RoPE): models.drafter_config.build_drafter_config reads them off the
     target's config, so a Llama-shaped target gets a drafter at its hidden size and RoPE theta.
     """
 

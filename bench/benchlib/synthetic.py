@@ -21,7 +21,8 @@ from dflash_mp.models.dflash2 import GroupedDynamicConv
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import DFLASH2_FIELDS, SCALING_DEFAULTS, build_drafter_config
 from dflash_mp.models.target import TargetFeatureExtractor
-from dflash_mp.transport import Features, pack_tokens, unpack_tokens
+from dflash_mp.runtime.transport import pack_tokens, unpack_tokens
+from dflash_mp.training.features import Features
 
 from .shapes import Shape
 

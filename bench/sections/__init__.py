@@ -1,4 +1,5 @@
-"""One module per benchmark section; each has `run(bench) -> dict` (its part of the JSON) and TIMEOUT_S."""
+"""One module per benchmark section; each has `run(bench: BenchState) -> dict` (its part of the JSON)
+and TIMEOUT_S. The state they share is benchlib/state.py; the runner (bench.py) imports them."""
 
 from __future__ import annotations
 

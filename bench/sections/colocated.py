@@ -1,7 +1,7 @@
 """The colocated baseline: target forward + drafter step back to back in every process.
 
 On N ranks every process does so (whatever role it played before) and the drafters train under
-DDP over all N, rank r on the micro-batches dflash_mp.colocated gives it; on 1 rank the one
+DDP over all N, rank r on the micro-batches dflash_mp.runtime.colocated gives it; on 1 rank the one
 process does it without DDP, which is the colocated rate of one GPU (no all-reduce cost), next to
 the stage rates that the split layouts would get from the same GPU. A rank holding a
 tensor-parallel share of the target builds a whole one instead (colocated runs TP=1).
@@ -11,21 +11,19 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import TYPE_CHECKING
 
 import benchlib as bl
 import torch
 import torch.distributed as dist
+from benchlib.state import BenchState
 
-from dflash_mp.roles import features_of, hidden_states_for_drafter
-
-if TYPE_CHECKING:
-    from bench import Bench
+from dflash_mp.runtime.roles import hidden_states_for_drafter
+from dflash_mp.training.features import features_of
 
 TIMEOUT_S = 420
 
 
-def run(bench: Bench) -> dict:
+def run(bench: BenchState) -> dict:
     args = bench.args
     if "drafter" in bench.roles:  # the drafter-only objects make room for this process's colocated pair
         bench.trainer = bench.features = None
@@ -53,7 +51,7 @@ def run(bench: Bench) -> dict:
             batch, hidden_states_for_drafter(bench.extractor, batch, bench.dtype, bench.device)
         )
 
-    # As dflash_mp.colocated: the next step's first micro-batch goes through the target and is
+    # As dflash_mp.runtime.colocated: the next step's first micro-batch goes through the target and is
     # prepared while the device runs the update.
     early = []
     for i in range(args.warmup + args.colocated_iters):

@@ -8,17 +8,14 @@ drafter's numbers are at the top, every rank's under per_rank.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import benchlib as bl
-
-if TYPE_CHECKING:
-    from bench import Bench
+from benchlib.state import BenchState
 
 TIMEOUT_S = 420  # the cold torch.compile of the drafter (flex_attention fwd + bwd)
 
 
-def run(bench: Bench) -> dict:
+def run(bench: BenchState) -> dict:
     if "drafter" not in bench.roles:
         return {}
     trainer, batch, args = bench.trainer, bench.features, bench.args

@@ -3,18 +3,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import benchlib as bl
 import torch
-
-if TYPE_CHECKING:
-    from bench import Bench
+from benchlib.state import BenchState
 
 TIMEOUT_S = 90
 
 
-def run(bench: Bench) -> dict:
+def run(bench: BenchState) -> dict:
     n = bench.args.matmul_n or bench.shape.matmul_n
     result = bl.matmul_peak(
         bench.device,

@@ -9,16 +9,13 @@ the first target's and the first drafter's details are at the top, every rank's 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import benchlib as bl
 import torch
+from benchlib.state import BenchState
 
-from dflash_mp.roles import run_drafter, run_target
-from dflash_mp.trainer import DrafterTrainer
-
-if TYPE_CHECKING:
-    from bench import Bench
+from dflash_mp.runtime.roles import run_drafter, run_target
+from dflash_mp.training.trainer import DrafterTrainer
 
 TIMEOUT_S = 300
 
@@ -94,13 +91,13 @@ def busy_fraction(marks: bl.Marks, intervals: list[tuple[int, int]]) -> tuple[fl
     return busy, marks.seconds(intervals[0][0], intervals[-1][1])
 
 
-def run(bench: Bench) -> dict:
+def run(bench: BenchState) -> dict:
     if "target" in bench.roles:
         return _run_target(bench)
     return _run_drafter(bench)
 
 
-def _run_target(bench: Bench) -> dict:
+def _run_target(bench: BenchState) -> dict:
     args, warmup = bench.args, bench.args.warmup
     steps = warmup + args.pipeline_steps
     start = time.perf_counter()
@@ -143,7 +140,7 @@ def _run_target(bench: Bench) -> dict:
     return result
 
 
-def _run_drafter(bench: Bench) -> dict:
+def _run_drafter(bench: BenchState) -> dict:
     args, warmup = bench.args, bench.args.warmup
     steps = warmup + args.pipeline_steps
     start = time.perf_counter()

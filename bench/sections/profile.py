@@ -46,18 +46,15 @@ import shutil
 import tempfile
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 import benchlib as bl
 import torch
+from benchlib.state import BenchState
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from dflash_mp.trainer import DrafterTrainer
-from dflash_mp.transport import Features
-
-if TYPE_CHECKING:
-    from bench import Bench
+from dflash_mp.training.features import Features
+from dflash_mp.training.trainer import DrafterTrainer
 
 TIMEOUT_S = 420  # the cold compile, when drafter_only did not run first
 
@@ -104,7 +101,7 @@ MATMUL_OPS = {
 TOP_KERNELS = 15
 
 
-def run(bench: Bench) -> dict:
+def run(bench: BenchState) -> dict:
     if "drafter" not in bench.roles:
         return {}
     if bench.trainer is None:

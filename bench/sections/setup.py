@@ -6,18 +6,15 @@ and one received-form micro-batch (drafter role), and counts their useful FLOPs.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import benchlib as bl
 import torch
-
-if TYPE_CHECKING:
-    from bench import Bench
+from benchlib.state import BenchState
 
 TIMEOUT_S = 240
 
 
-def run(bench: Bench) -> dict:
+def run(bench: BenchState) -> dict:
     result = {}
     if "target" in bench.roles:
         result["target"] = _setup_target(bench)
@@ -26,7 +23,7 @@ def run(bench: Bench) -> dict:
     return result
 
 
-def _setup_target(bench: Bench) -> dict:
+def _setup_target(bench: BenchState) -> dict:
     start = time.perf_counter()
     # With --target-parallel k, each rank builds its share of the replica's target (layer by layer).
     bench.extractor = bl.random_target(
@@ -51,7 +48,7 @@ def _setup_target(bench: Bench) -> dict:
     }
 
 
-def _setup_drafter(bench: Bench) -> dict:
+def _setup_drafter(bench: BenchState) -> dict:
     start = time.perf_counter()
     # The drafter group: None on 1 rank (the trainer then runs without DDP).
     bench.trainer = bench.new_trainer(group=bench.job.drafter_group)

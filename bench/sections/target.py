@@ -8,19 +8,16 @@ per_replica; rank 0's replica also at the top (what the summary and dflash_mp.pl
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import benchlib as bl
+from benchlib.state import BenchState
 
-from dflash_mp.roles import hidden_states_for_drafter
-
-if TYPE_CHECKING:
-    from bench import Bench
+from dflash_mp.runtime.roles import hidden_states_for_drafter
 
 TIMEOUT_S = 180
 
 
-def run(bench: Bench) -> dict:
+def run(bench: BenchState) -> dict:
     if "target" not in bench.roles:
         return {}
     args, batch = bench.args, bench.reader.read(0)

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import TYPE_CHECKING
 
 import benchlib as bl
 import torch
+from benchlib.state import BenchState
 
-from dflash_mp.roles import hidden_states_for_drafter
-
-if TYPE_CHECKING:
-    from bench import Bench
+from dflash_mp.runtime.roles import hidden_states_for_drafter
 
 TIMEOUT_S = 420  # the whole target's build and (on GPU) its compile on the leader
 # Largest |TP - TP=1| / max|TP=1| counted as equal: the split only reorders sums (the row-wise
@@ -29,7 +26,7 @@ TIMEOUT_S = 420  # the whole target's build and (on GPU) its compile on the lead
 RELATIVE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def _timed(bench: Bench, extractor, batch) -> tuple[torch.Tensor, float]:
+def _timed(bench: BenchState, extractor, batch) -> tuple[torch.Tensor, float]:
     """(hidden states of `batch`, samples/s over --iters forwards after --warmup)."""
     hidden = None
     for _ in range(bench.args.warmup):
@@ -63,7 +60,7 @@ def compare(tp: torch.Tensor, reference: torch.Tensor, layers: int) -> dict:
     return result
 
 
-def run(bench: Bench) -> dict:
+def run(bench: BenchState) -> dict:
     if "target" not in bench.roles:
         return {}
     batch = bench.reader.read(0)

@@ -1,25 +1,22 @@
-"""The transport alone: dflash_mp.transport's Sender/Receiver next to raw send/recv of the same size,
+"""The transport alone: dflash_mp.runtime.transport's Sender/Receiver next to raw send/recv of the same size,
 between rank 0 (the first target leader) and the first drafter; any other rank idles."""
 
 from __future__ import annotations
 
 import itertools
 import time
-from typing import TYPE_CHECKING
 
 import benchlib as bl
 import torch
 import torch.distributed as dist
+from benchlib.state import BenchState
 
-from dflash_mp.transport import Receiver, Sender, pack_tokens
-
-if TYPE_CHECKING:
-    from bench import Bench
+from dflash_mp.runtime.transport import Receiver, Sender, pack_tokens
 
 TIMEOUT_S = 120
 
 
-def run(bench: Bench) -> dict:
+def run(bench: BenchState) -> dict:
     args = bench.args
     sender_rank, receiver_rank = 0, bench.first_drafter
     if bench.rank not in (sender_rank, receiver_rank):

@@ -5,8 +5,7 @@ no orphan. `python -m dflash_mp.launch --help` (dflash_mp/launch/__main__.py) ha
 - `supervisor`: one job's torchrun, its ranks' heartbeats, the outcome in job.log;
 - `outcome`: exit codes, job.json, who failed first and whether a stop was a preemption;
 - `detached`: `start`, `status` and `stop` of a job that outlives its terminal;
-- `sweep`: Hydra single runs and `-m` sweeps of whole jobs, with a summary of every point;
-- `processes`: the job's processes, found through /proc by the job's id.
+- `sweep`: Hydra single runs and `-m` sweeps of whole jobs, with a summary of every point.
 
-Kept free of imports so that `dflash_mp.doctor` can use `processes` without a cycle.
+The job's processes are found through /proc by the job's id (`dflash_mp.run.processes`).
 """

@@ -54,7 +54,7 @@ from dflash_mp.launch.outcome import (
     write_outcome,
 )
 from dflash_mp.launch.supervisor import supervise
-from dflash_mp.rundir import CONFIG_NAME, adopt_lock
+from dflash_mp.run.rundir import CONFIG_NAME, adopt_lock
 
 
 def _override(overrides: list[str], key: str) -> str | None:
@@ -63,7 +63,7 @@ def _override(overrides: list[str], key: str) -> str | None:
 
 
 def _compose(overrides: list[str]) -> DictConfig:
-    from dflash_mp.config import compose_config
+    from dflash_mp.config.schema import compose_config
 
     return compose_config(overrides)
 

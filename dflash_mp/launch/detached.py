@@ -21,10 +21,10 @@ from dflash_mp.launch.outcome import (
     write_job_state,
     write_outcome,
 )
-from dflash_mp.launch.processes import alive, cmdline, holders_of, job_processes, kill
-from dflash_mp.logs import job_log_path
-from dflash_mp.rundir import LOCK_NAME, RunDirLock
-from dflash_mp.watchdog import preempted_marker, read_heartbeats
+from dflash_mp.run.logs import job_log_path
+from dflash_mp.run.processes import alive, cmdline, holders_of, job_processes, kill
+from dflash_mp.run.rundir import LOCK_NAME, RunDirLock
+from dflash_mp.runtime.watchdog import preempted_marker, read_heartbeats
 
 STOP_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 30.0  # for the detached supervisor to record itself in job.json

@@ -11,12 +11,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from dflash_mp import doctor
+from dflash_mp.config.validation import processes_per_job
 from dflash_mp.launch.detached import start_detached
 from dflash_mp.launch.outcome import EXIT_PREFLIGHT, Outcome, read_job_state, write_outcome
 from dflash_mp.launch.supervisor import supervise
-from dflash_mp.logs import append_job_log, job_log_path
-from dflash_mp.rundir import RunDirBusy, RunDirLock, clear_run_dir, lock_run_dir
-from dflash_mp.validation import processes_per_job
+from dflash_mp.run.logs import append_job_log, job_log_path
+from dflash_mp.run.rundir import RunDirBusy, RunDirLock, clear_run_dir, lock_run_dir
 
 
 def default_run_dir(name: str) -> Path:

@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_mp.logs import append_job_log, job_log_path
-from dflash_mp.watchdog import EXIT_HUNG, EXIT_PREEMPTED, preempted_marker, read_heartbeats
+from dflash_mp.run.logs import append_job_log, job_log_path
+from dflash_mp.runtime.watchdog import EXIT_HUNG, EXIT_PREEMPTED, preempted_marker, read_heartbeats
 
 EXIT_SUCCEEDED = 0
 EXIT_FAILED = 1  # a rank raised or died
 EXIT_PREFLIGHT = 2  # bad config or environment (or the run directory is taken); no worker was started
 EXIT_INTERRUPTED = 130  # Ctrl-C before a checkpoint
 EXIT_STOPPED = 143  # SIGTERM before a checkpoint could be written
-# EXIT_HUNG (3) and EXIT_PREEMPTED (75) come from dflash_mp.watchdog: the ranks exit with them.
+# EXIT_HUNG (3) and EXIT_PREEMPTED (75) come from dflash_mp.runtime.watchdog: the ranks exit with them.
 STATE_OF_EXIT_CODE = {
     EXIT_SUCCEEDED: "succeeded",
     EXIT_FAILED: "failed",

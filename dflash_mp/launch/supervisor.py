@@ -19,7 +19,8 @@ import uuid
 from pathlib import Path
 
 from dflash_mp.launch.outcome import StopRequest, error_files, judge, write_job_state, write_outcome
-from dflash_mp.launch.processes import (
+from dflash_mp.run.logs import append_job_log, job_log_path
+from dflash_mp.run.processes import (
     JOB_ID_ENV,
     alive,
     become_subreaper,
@@ -28,9 +29,8 @@ from dflash_mp.launch.processes import (
     kill,
     reap_orphans,
 )
-from dflash_mp.logs import append_job_log, job_log_path
-from dflash_mp.rundir import RunDirLock
-from dflash_mp.watchdog import PEER_GRACE_S, heartbeat_dir, preempted_marker, read_heartbeats
+from dflash_mp.run.rundir import RunDirLock
+from dflash_mp.runtime.watchdog import PEER_GRACE_S, heartbeat_dir, preempted_marker, read_heartbeats
 
 # Signals torchrun's agent turns into a graceful shutdown (the same signal to the workers, SIGKILL
 # after the grace). SIGUSR1 (SLURM's `--signal=USR1@T`) and SIGUSR2 (submitit's) are added so a

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from dflash_mp.launch.launcher import default_run_dir, launch
 from dflash_mp.launch.outcome import EXIT_FAILED, EXIT_SUCCEEDED, STATE_OF_EXIT_CODE
-from dflash_mp.watchdog import preempted_marker
+from dflash_mp.runtime.watchdog import preempted_marker
 
 POINTS_DIR = "points"
 SUMMARY_NAME = "summary.txt"

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_mp.models.grouped_conv import GroupedConvolution, convolve_with_tensor_ops
+from dflash_mp.kernels.grouped_conv import GroupedConvolution, convolve_with_tensor_ops
 
 
 def grouped_dynamic_convolve(

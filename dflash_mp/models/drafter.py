@@ -24,11 +24,11 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from dflash_mp.block_mask import TileMask
+from dflash_mp.kernels.block_mask import TileMask
+from dflash_mp.kernels.flash_attention import flash_block_attention
 from dflash_mp.models.block_rows import BlockRows, expand_rows, scored_rows
 from dflash_mp.models.dflash2 import CandidateSelector, GroupedDynamicConv
 from dflash_mp.models.drafter_config import SCALING_DEFAULTS, drafter_arch
-from dflash_mp.models.flash_attention import flash_block_attention
 
 AttentionMask = torch.Tensor | BlockMask | TileMask
 
@@ -310,7 +310,7 @@ class DFlashDrafter(nn.Module):
         rows; positions are the tokens' true positions.
         `mask` is a boolean [B, 1, Q, S+Q] tensor (True = may attend; keys are context first, then the
         block), a flex_attention BlockMask over the same [Q, S+Q] layout or a TileMask (FlashAttention 4;
-        `dflash_mp.block_mask`); or a mapping from layer
+        `dflash_mp.kernels.block_mask`); or a mapping from layer
         type ("full_attention", "sliding_attention") to such a mask, each layer taking its type's.
         """
         context = self.hidden_norm(self.fc(context_features))

@@ -13,7 +13,7 @@ plans spell them differently from version to version, tensor-parallel (`packed_c
 tensor-parallel plan leaves the experts out (gpt-oss in recent versions) its
 `base_model_ep_plan` names them. A style not mapped here is refused, naming the entry.
 
-Pure torch: the mesh comes from the caller (dflash_mp.target_parallel builds it).
+Pure torch: the mesh comes from the caller (dflash_mp.runtime.target_parallel builds it).
 """
 
 from __future__ import annotations

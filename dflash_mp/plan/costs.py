@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_mp.config import default_target_layer_ids
+from dflash_mp.config.schema import default_target_layer_ids
 from dflash_mp.plan import PlanError
 
 BF16 = 2

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_mp.config import CONF_DIR, compose_config, read_target_config
+from dflash_mp.config.schema import CONF_DIR, compose_config, read_target_config
 from dflash_mp.embedded import embedded_path
 from dflash_mp.plan import PlanError
 from dflash_mp.plan.costs import (

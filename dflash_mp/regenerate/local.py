@@ -166,7 +166,7 @@ def regenerate(
 ) -> dict[str, Any] | None:
     """This rank's share of the records, then the merge if every rank is done (its summary; else None)."""
     from dflash_mp.data import load_tokenizer
-    from dflash_mp.eval import load_target_model, resolve_device, stop_token_ids
+    from dflash_mp.evaluation.acceptance import load_target_model, resolve_device, stop_token_ids
 
     job = RecordJob(inputs, output, settings, rank, world_size, work_dir, limit)
     if job.pending:

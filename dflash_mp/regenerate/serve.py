@@ -43,7 +43,7 @@ class TargetChat:
         import torch
 
         from dflash_mp.data import load_tokenizer
-        from dflash_mp.eval import load_target_model, stop_token_ids
+        from dflash_mp.evaluation.acceptance import load_target_model, stop_token_ids
 
         self.tokenizer = load_tokenizer(target)
         self.model = load_target_model(target, torch.float32, "cpu")
@@ -79,7 +79,7 @@ class TargetChat:
             return stats
 
     def complete(self, body: Any) -> dict[str, Any]:
-        from dflash_mp.eval import autoregressive_generate
+        from dflash_mp.evaluation.decoding import autoregressive_generate
 
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
             raise ChatError(400, '"messages" must be a non-empty list')

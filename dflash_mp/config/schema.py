@@ -1,0 +1,312 @@
+"""Typed configuration: Hydra ConfigStore schemas, composition and what follows from a config.
+
+Every field carries a one-line comment. `dflash_mp.config.validation.validate(cfg)` checks the composed
+config before any process allocates a device, and reports *all* problems at once, each naming
+the field and what would be valid.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from dflash_mp.config.mask_token import mask_token_id
+from dflash_mp.embedded import embedded_path, target_dir
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message lists every problem found."""
+
+
+@dataclass
+class ModelConfig:
+    # Local HF-format directory of the frozen target (config.json + safetensors + tokenizer).
+    target_path: str = MISSING
+    # Allow custom modelling code shipped with the target (off unless you trust the directory).
+    trust_remote_code: bool = False
+    # Number of DFlash (draft) transformer layers.
+    draft_layers: int = 1
+    # Target layers whose outputs feed the drafter (0-based); null = DFlash default spacing.
+    target_layer_ids: list[int] | None = None
+    # Tokens per draft block: one known token followed by block_size-1 MASK tokens.
+    block_size: int = 16
+    # Token used for the masked block positions; added to the run's tokenizer when the target lacks it.
+    mask_token: str = "<|MASK|>"
+    # Pins the mask token's id (< the target's vocab_size); null: the tokenizer's id of mask_token,
+    # else the next free id len(tokenizer) (151669 for Qwen3, as the published Qwen3 drafters).
+    mask_token_id: int | None = None
+    # Drafter architecture: "dflash", or "dflash2" (convolutions around each sublayer + candidate selector).
+    arch: str = "dflash"
+    # dflash2: taps of the grouped dynamic depthwise convolution (over block positions).
+    conv_kernel_size: int = 2
+    # dflash2: channels per group of the convolution's dynamic kernel; must divide the hidden size.
+    conv_group_size: int = 16
+    # dflash2: rank of the selector's predecessor/successor codebooks.
+    selector_rank: int = 256
+    # dflash2: candidates (the target head's top-K at each block position) the selector chooses among.
+    selector_top_k: int = 16
+    # dflash2: weight of the selector's K-way cross-entropy next to the DFlash loss.
+    selector_loss_alpha: float = 1.0
+    # dflash2: a label outside the top-K is "drop"ped from the selector term or "inject"ed as the last candidate.
+    selector_gold_outside_top_k: str = "drop"
+    # Attention of each draft layer, "full_attention" or "sliding_attention"; null: all full.
+    layer_types: list[str] | None = None
+    # sliding_attention layers see keys less than this many positions from the query (reference rule).
+    sliding_window: int | None = None
+    # Factor on the block tokens' embeddings; null: the target's (Gemma sqrt(hidden_size), Granite
+    # embedding_multiplier, else 1).
+    input_embedding_scale: float | None = None
+    # Factor on the draft logits; null: the target's (Granite 1/logits_scaling, else 1).
+    output_multiplier: float | None = None
+    # Soft cap c on the draft logits, c * tanh(logits / c) after the multiplier; null: the target's
+    # final_logit_softcapping (Gemma 2), else none; 0: none.
+    final_logit_softcapping: float | None = None
+
+
+@dataclass
+class DataConfig:
+    # JSONL files, one record per line: {"messages"|"conversations": [{"role", "content"}]},
+    # ShareGPT {"conversations": [{"from", "value"}]} or {"text": ..., "loss_spans": [[start, end]]}.
+    train_files: list[str] = field(default_factory=list)
+    # Held-out prompts (JSONL, same format) for acceptance-length evaluation.
+    eval_files: list[str] = field(default_factory=list)
+    # Longest tokenized sequence kept (prompt + response), in tokens.
+    max_length: int = 3072
+    # Micro-batches are right-padded to a multiple of this many tokens (fewer shapes to compile).
+    pad_to_multiple: int = 64
+    # Anchor positions sampled per sequence (each starts one draft block).
+    num_anchors: int = 512
+    # What to do with a malformed record: skip it (counted, logged with file:line) or fail.
+    on_bad_record: str = "skip"
+    # A record longer than max_length: truncate it (loss mask kept aligned) or skip it.
+    on_too_long: str = "truncate"
+    # Fail (preflight sample, and each target rank while training) above this fraction of bad records.
+    max_bad_fraction: float = 0.05
+    # A jinja chat template file that replaces the tokenizer's own ("": the tokenizer's).
+    chat_template: str = ""
+    # Extra variables for the chat template, e.g. {enable_thinking: false}.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TopologyConfig:
+    # "split": target and drafter ranks apart; "colocated": every rank runs the target and trains (targets 0).
+    layout: str = "split"
+    # Ranks running the frozen target forward (global ranks 0..targets-1).
+    targets: int = 2
+    # Ranks training the drafter, data-parallel among themselves (the following ranks);
+    # colocated: null is the torchrun world size (the launcher: one per visible GPU).
+    drafters: int | None = 1
+    # Micro-batch sends a target rank may have in flight before it waits (bounds memory).
+    max_inflight_sends: int = 2
+    # Target ranks per target replica, sharded tensor-parallel (for a target that does not fit
+    # one GPU); must divide topology.targets and the target's attention and KV head counts.
+    target_parallel: int = 1
+
+
+@dataclass
+class OptimConfig:
+    # AdamW peak learning rate.
+    lr: float = 6e-4
+    # AdamW decoupled weight decay.
+    weight_decay: float = 0.0
+    # AdamW betas.
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    # Fraction of the optimizer steps spent in linear warm-up before the cosine decay.
+    warmup_ratio: float = 0.04
+    # Final learning rate as a fraction of the peak.
+    min_lr_ratio: float = 0.0
+    # Gradient-norm clipping threshold (0 disables clipping).
+    grad_clip: float = 1.0
+
+
+@dataclass
+class LoggerConfig:
+    # "none" or "wandb" (wandb logs from the first drafter rank only).
+    backend: str = "none"
+    # wandb project name.
+    project: str = "dflash_mp"
+    # wandb mode: offline (default, no network), online, or disabled.
+    mode: str = "offline"
+    # Print a progress line every this many optimizer steps on the first drafter rank.
+    progress_every: int = 10
+
+
+@dataclass
+class TrainConfig:
+    # Optimizer steps to run; -1 derives them from `epochs` and the data size.
+    max_steps: int = -1
+    # Passes over the training data when max_steps is -1.
+    epochs: int = 6
+    # Sequences per micro-batch (one transport message).
+    micro_batch_size: int = 1
+    # Micro-batches accumulated per drafter rank per optimizer step.
+    grad_accum: int = 1
+    # Seed for data order, anchors and drafter init; the same seed gives the same run.
+    seed: int = 0
+    # Loss decay over block positions: weight exp(-(k-1)/gamma); null: 1 + 3*block_size/8
+    # (7 for block 16 as in the paper, 4 for block 8 as the published block-8 recipes).
+    gamma: float | None = None
+    # Save a checkpoint every this many optimizer steps (0: only at the end).
+    checkpoint_every: int = 0
+    # Checkpoints kept on disk (oldest removed first).
+    keep_checkpoints: int = 2
+    # Continue from the newest complete checkpoint in run_dir/checkpoints.
+    resume: bool = False
+    # Clear run_dir of an earlier run (checkpoints, metrics, config, logs but job.log) before a fresh
+    # start; without it a fresh start in a used run_dir is refused.
+    overwrite: bool = False
+    # Non-finite loss or gradient: "skip" the optimizer step or "stop" the job.
+    on_nonfinite: str = "stop"
+    # With on_nonfinite=skip: stop the job after this many skipped non-finite steps in a row (the
+    # drafter is then not training; a resume counts afresh); 0: no limit.
+    max_nonfinite_in_a_row: int = 20
+    # "auto" (cuda when available), "cuda" or "cpu".
+    device: str = "auto"
+    # Drafter training dtype: "auto" (bf16 autocast on GPU, fp32 on CPU), "float32", "bfloat16".
+    dtype: str = "auto"
+    # Attention kernel for the block-sparse mask: "flash" (FlashAttention 4's CuTe kernels: Hopper or
+    # newer, bf16, the optional package flash-attn-4), "flex" (flex_attention), "sdpa" (dense mask, CPU);
+    # "auto": flash where it runs, else flex on GPU, sdpa on CPU.
+    attention: str = "auto"
+    # torch.compile the drafter's and the target's layers, per process: "auto" (on for GPU), true or false.
+    compile: str = "auto"
+    # Write the HF-format drafter to run_dir/export at the end of training.
+    export: bool = True
+
+
+@dataclass
+class WatchdogConfig:
+    # Seconds without progress after which a rank is reported hung and the job torn down (0 disables).
+    # Generous: a large target can take minutes to load, and a cold torch.compile of the first
+    # steps (25 s at Qwen3-8B shape on an H200, BENCHMARKS.md) must not read as a hang either.
+    timeout_s: float = 900.0
+
+
+@dataclass
+class EvalConfig:
+    # Measure acceptance length every this many steps during training (0 disables).
+    every: int = 0
+    # Held-out prompts used per measurement.
+    num_prompts: int = 8
+    # New tokens generated per prompt.
+    max_new_tokens: int = 64
+    # Benchmark files measured too, name: path (JSONL/Parquet as published: GSM8K, MATH-500, AIME,
+    # HumanEval, MBPP, LiveCodeBench, MT-Bench, Alpaca; docs/benchmarks-eval.md), logged as tau/<name>.
+    benchmarks: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RootConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    # The job's run directory, identical for every rank; empty: rank 0 picks runs/<name>-<time>
+    # and shares it with the other ranks through the rendezvous store.
+    run_dir: str = ""
+    # Free-form experiment name (shows in logs and wandb).
+    name: str = "dflash"
+    # The conf/experiment preset that set the recipe (each preset names itself); the embedded one
+    # refuses a real target, whose recipe it is not.
+    preset: str = ""
+
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def register_configs() -> None:
+    """Register the schemas so conf/*.yaml are type-checked when Hydra composes them."""
+    ConfigStore.instance().store(name="schema", node=RootConfig)
+
+
+register_configs()
+
+
+def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """conf/ composed with `overrides`, outside a Hydra app (tests, eval, benchmarks)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+if not OmegaConf.has_resolver("embedded"):
+    # `${embedded:data/train.jsonl}` names a bundled asset; the tiny target is built on first use.
+    OmegaConf.register_new_resolver("embedded", lambda name: str(embedded_path(name)))
+
+
+# ----------------------------------------------------------------------------------------
+# what follows from a config
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default: evenly spaced from layer 1 to layer L-3 (one draft layer: L//2).
+
+    On targets too shallow for that to give distinct layers (e.g. 2 draft layers over 4), the
+    span widens towards the last layer instead of repeating one (the reference would repeat).
+    """
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end - start < num_draft_layers - 1:
+        end = min(num_target_layers - 1, start + num_draft_layers - 1)
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def read_target_config(target_path: str) -> dict[str, Any]:
+    """The target's config.json as a dict (cheap: no model import)."""
+    with open(Path(target_path) / "config.json") as f:
+        config = json.load(f)
+    # Multimodal wrappers keep the language model under text_config.
+    return config.get("text_config", config) if "num_hidden_layers" not in config else config
+
+
+def resolved_target_layer_ids(cfg: DictConfig | RootConfig, num_target_layers: int) -> list[int]:
+    ids = cfg.model.target_layer_ids
+    if ids is None:
+        return default_target_layer_ids(num_target_layers, cfg.model.draft_layers)
+    return list(ids)
+
+
+def is_embedded_target(target_path: str) -> bool:
+    return Path(target_path).resolve() == target_dir().resolve()
+
+
+def default_gamma(block_size: int) -> float:
+    """The loss decay for a block size: 7 for 16 (the paper), 4 for 8 (the published block-8
+    recipes), and on the line through those two, 1 + 3*block_size/8, for the others."""
+    return 1.0 + 3.0 * block_size / 8.0
+
+
+def run_config(cfg: RootConfig) -> DictConfig:
+    """What RUN_DIR/config.yaml records: every field, train.gamma, model.mask_token_id and the
+    target's scaling fields resolved, so that exports and evaluations of the run's checkpoints use
+    what it trained with."""
+    resolved = OmegaConf.structured(cfg)
+    resolved.model.mask_token_id = mask_token_id(cfg.model)
+    from dflash_mp.models.drafter_config import SCALING_DEFAULTS, target_scaling
+
+    derived = target_scaling(read_target_config(cfg.model.target_path))
+    for key in SCALING_DEFAULTS:  # null: what the target does, written out
+        if getattr(cfg.model, key) is None:
+            resolved.model[key] = derived[key]
+    return resolved
+
+
+def to_dataclass(cfg: DictConfig) -> RootConfig:
+    """The composed DictConfig as a typed RootConfig (fully resolved, defaults that depend on
+    other fields filled in: train.gamma from model.block_size)."""
+    root: RootConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RootConfig), cfg))  # type: ignore[assignment]
+    if root.train.gamma is None:
+        root.train.gamma = default_gamma(root.model.block_size)
+    return root

@@ -1,0 +1,439 @@
+"""Acceptance length of a drafter on held-out prompts: prompts, checks, the evaluation, and the
+evaluator that training calls every eval.every steps (`dflash_mp.evaluation.decoding` runs the decoding)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_mp.evaluation.decoding import Generation, autoregressive_generate, speculative_generate
+from dflash_mp.models.drafter import DFlashDrafter
+
+
+class EvalError(ValueError):
+    """Input the evaluation cannot run on; the message names the file or setting and the fix."""
+
+
+@dataclass
+class Prompt:
+    """A tokenized prompt and where it came from (file:line), for error messages."""
+
+    source: str
+    input_ids: list[int]
+
+
+# ----------------------------------------------------------------------------------------
+# prompts
+
+
+def chat_messages(record: Any) -> list[dict[str, str]]:
+    """The role/content pairs of a chat record in any accepted conversation format
+    (dflash_mp.data.records); ValueError says what is wrong."""
+    from dflash_mp.data.records import chat_turns
+
+    return [{"role": m["role"], "content": m["content"]} for m in chat_turns(record)]
+
+
+def prompt_messages(record: Any) -> list[dict[str, str]]:
+    """The messages of a chat record before its first assistant turn; they must end with a user turn."""
+    messages = chat_messages(record)
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    prompt = messages[: replies[0]] if replies else messages
+    if not prompt or prompt[-1]["role"] != "user":
+        raise ValueError("the messages before the first assistant turn must end with a user turn")
+    return prompt
+
+
+def prompt_records(paths: Sequence[str | Path], limit: int | None = None) -> list[tuple[str, list[dict]]]:
+    """(file:line, prompt messages) of the first `limit` records of chat JSONL files.
+
+    A record's prompt is its messages before the first assistant turn (all of them for a
+    prompt-only record), so training files and held-out conversations both serve as prompts.
+    """
+    from dflash_mp.data import DataError, EmptyData, open_records
+
+    if not paths:
+        raise EvalError("no prompt files given: pass --prompts FILE.jsonl (or set data.eval_files)")
+    try:
+        records = open_records([str(path) for path in paths])
+    except EmptyData:
+        raise EvalError(
+            f"no prompts in {', '.join(map(str, paths))}: every file is empty or blank. Give JSONL "
+            'files with one {"messages": [{"role": "user", "content": ...}, ...]} record per line.'
+        ) from None
+    except DataError as e:
+        raise EvalError(f"cannot read the prompts: {e}") from None
+    prompts: list[tuple[str, list[dict]]] = []
+    for i in range(len(records) if limit is None else min(limit, len(records))):
+        path, line_number, line = records.read(i)
+        source = f"{path}:{line_number}"
+        try:
+            prompts.append((source, prompt_messages(json.loads(line))))
+        except json.JSONDecodeError as e:
+            raise EvalError(f"{source}: malformed JSON ({e.msg} at column {e.colno})") from None
+        except ValueError as e:
+            raise EvalError(f"{source}: {e}") from None
+    return prompts
+
+
+def load_prompts(
+    paths: Sequence[str | Path], tokenizer: Any, limit: int | None = None, renderer: Any = None
+) -> list[Prompt]:
+    """The first `limit` prompts of chat JSONL files (`prompt_records`), rendered with the
+    generation prompt. `renderer` (a dflash_mp.data.ChatRenderer) applies the run's
+    data.chat_template and its kwargs, so prompts are rendered the way training rendered conversations.
+    """
+    from dflash_mp.data import ChatRenderer
+
+    renderer = renderer or ChatRenderer(tokenizer)
+    prompts: list[Prompt] = []
+    for source, messages in prompt_records(paths, limit):
+        text = renderer.apply(messages, generation_prompt=True)
+        input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompts.append(Prompt(source=source, input_ids=list(input_ids)))
+    return prompts
+
+
+def held_out_prompt_files(eval_files: Sequence[str], target_path: str) -> list[str]:
+    """`eval_files`, or the embedded eval set for the embedded target; a real target without
+    held-out prompts is an error (toy prompts say nothing of its acceptance length)."""
+    from dflash_mp.config.schema import is_embedded_target
+    from dflash_mp.embedded import embedded_path
+
+    if eval_files:
+        return list(eval_files)
+    if not is_embedded_target(target_path):
+        raise EvalError(
+            f"no held-out prompts for the target at {target_path}: set data.eval_files=[FILE.jsonl] "
+            "(or pass --prompts FILE.jsonl); the embedded toy prompts only fit the embedded target"
+        )
+    return [str(embedded_path("data/eval.jsonl"))]
+
+
+def has_held_out_prompts(cfg: Any) -> bool:
+    """Whether training evaluates held-out prompts (data.eval_files, or the embedded target's own);
+    without them eval.every measures eval.benchmarks only."""
+    from dflash_mp.config.schema import is_embedded_target
+
+    return bool(cfg.data.eval_files) or is_embedded_target(cfg.model.target_path)
+
+
+def load_eval_prompts(cfg: Any, tokenizer: Any) -> list[Prompt]:
+    """The held-out prompts for evaluation during training: cfg.eval.num_prompts of cfg.data.eval_files
+    (the embedded eval set for the embedded target), rendered with the run's chat template."""
+    from dflash_mp.data import ChatRenderer, read_chat_template
+
+    files = held_out_prompt_files(cfg.data.eval_files, cfg.model.target_path)
+    renderer = ChatRenderer(
+        tokenizer, read_chat_template(cfg.data.chat_template), dict(cfg.data.chat_template_kwargs)
+    )
+    return load_prompts(files, tokenizer, limit=cfg.eval.num_prompts, renderer=renderer)
+
+
+# ----------------------------------------------------------------------------------------
+# checks
+
+
+def check_drafter_fits(drafter: DFlashDrafter, target_config: Any) -> None:
+    """Raise EvalError unless the drafter reads this target (its layers, width and vocabulary)."""
+    text_config = target_config.get_text_config()
+    num_layers, hidden, vocab = text_config.num_hidden_layers, text_config.hidden_size, text_config.vocab_size
+    problems = []
+    bad_ids = [i for i in drafter.target_layer_ids if not 0 <= i < num_layers]
+    if bad_ids:
+        problems.append(
+            f"its target_layer_ids {drafter.target_layer_ids} include {bad_ids}, outside this target's "
+            f"layers [0, {num_layers - 1}]"
+        )
+    trained_for = getattr(drafter.config, "num_target_layers", num_layers)
+    if trained_for != num_layers:
+        problems.append(f"it was built for a target with {trained_for} layers, this one has {num_layers}")
+    if drafter.config.hidden_size != hidden:
+        problems.append(f"its hidden_size is {drafter.config.hidden_size}, the target's is {hidden}")
+    if not 0 <= drafter.mask_token_id < vocab:
+        problems.append(
+            f"its mask_token_id {drafter.mask_token_id} is outside the target vocabulary [0, {vocab})"
+        )
+    if getattr(drafter, "arch", "dflash") == "dflash2" and drafter.config.vocab_size != vocab:
+        problems.append(
+            f"its selector codebooks cover {drafter.config.vocab_size} token ids, the target's vocabulary "
+            f"has {vocab} (DFlash 2 needs the full target vocabulary)"
+        )
+    if problems:
+        raise EvalError(
+            "the drafter does not fit the target: "
+            + "; ".join(problems)
+            + ". Evaluate it with the target it was trained for."
+        )
+
+
+def check_prompt_lengths(prompts: Sequence[Prompt], max_new_tokens: int, context: int | None) -> None:
+    if max_new_tokens < 1:
+        raise EvalError(f"max_new_tokens={max_new_tokens}: must be >= 1")
+    if not prompts:
+        raise EvalError("no prompts to evaluate")
+    if context is None:
+        return
+    too_long = [p for p in prompts if len(p.input_ids) + max_new_tokens > context]
+    if too_long:
+        worst = max(too_long, key=lambda p: len(p.input_ids))
+        raise EvalError(
+            f"{len(too_long)} prompt(s) do not fit the target's context of {context} positions with "
+            f"max_new_tokens={max_new_tokens}, e.g. {worst.source} ({len(worst.input_ids)} prompt tokens): "
+            "lower max_new_tokens or drop the long prompts"
+        )
+
+
+def eval_context_problem(cfg: Any) -> str | None:
+    """The preflight's eval check: why eval.every's decoding would not fit the target's context
+    (None: it fits, or eval.every=0). The same rule the evaluator applies when the drafter starts,
+    known here before any worker does."""
+    from dflash_mp.config.schema import read_target_config
+    from dflash_mp.data import load_tokenizer
+    from dflash_mp.evaluation.benchmark_table import TrainingBenchmarks
+
+    context = read_target_config(cfg.model.target_path).get("max_position_embeddings")
+    if not cfg.eval.every or context is None:
+        return None
+    tokenizer = load_tokenizer(
+        cfg.model.target_path, cfg.model.trust_remote_code, require_chat_template=not cfg.data.chat_template
+    )
+    prompts = load_eval_prompts(cfg, tokenizer) if has_held_out_prompts(cfg) else []
+    prompts += TrainingBenchmarks(cfg, tokenizer).first_turn_prompts()
+    if not prompts:
+        return "no held-out prompts in data.eval_files: add prompts or set eval.every=0"
+    longest = max(prompts, key=lambda p: len(p.input_ids))
+    new_tokens = cfg.eval.max_new_tokens
+    if len(longest.input_ids) + new_tokens <= context:
+        return None
+    return (
+        f"eval.every={cfg.eval.every} decodes eval.max_new_tokens={new_tokens} tokens after prompts of "
+        f"up to {len(longest.input_ids)} tokens ({longest.source}), {len(longest.input_ids) + new_tokens} "
+        f"positions, beyond the target's max_position_embeddings={context} (model.target_path="
+        f"{cfg.model.target_path}): set eval.max_new_tokens<={context - len(longest.input_ids)}, use "
+        "shorter prompts in data.eval_files or eval.benchmarks, or eval.every=0"
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# evaluation
+
+
+def stop_token_ids(tokenizer: Any, target: nn.Module) -> list[int]:
+    """End-of-turn tokens: the tokenizer's eos and the target's generation_config eos ids."""
+    ids = {tokenizer.eos_token_id}
+    generation_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def evaluate_acceptance(
+    drafter: DFlashDrafter,
+    target_model: nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    baseline: bool = False,
+    per_prompt: bool = False,
+) -> dict[str, Any]:
+    """Speculative decoding of every prompt; returns tau and friends as plain JSON-able numbers
+    (`acceptance_summary`). Sampling (temperature > 0) draws from the distributions cut by top_k
+    and top_p (0 and 1: uncut). `baseline` also decodes every prompt autoregressively for the
+    speedup. The drafter is put in eval mode for the call and restored after.
+    """
+    check_drafter_fits(drafter, target_model.config)
+    context = getattr(target_model.config.get_text_config(), "max_position_embeddings", None)
+    check_prompt_lengths(prompts, max_new_tokens, context)
+    stops = stop_token_ids(tokenizer, target_model)
+    device = target_model.get_input_embeddings().weight.device
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    # One generator per evaluation: the same seed gives the same samples on every call.
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        runs = [
+            speculative_generate(
+                drafter, target_model, p.input_ids, max_new_tokens, stops, generator=generator, **sampling
+            )
+            for p in prompts
+        ]
+    finally:
+        drafter.train(was_training)
+    plain = None
+    if baseline:
+        generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+        plain = [
+            autoregressive_generate(
+                target_model, p.input_ids, max_new_tokens, stops, generator=generator, **sampling
+            )
+            for p in prompts
+        ]
+    return acceptance_summary(
+        prompts, runs, plain, drafter.block_size, max_new_tokens, temperature, per_prompt
+    )
+
+
+def acceptance_summary(
+    prompts: Sequence[Prompt],
+    runs: Sequence[Generation],
+    plain: Sequence[Generation] | None,
+    block_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    per_prompt: bool = False,
+) -> dict[str, Any]:
+    """tau and friends of speculative decodings `runs` of `prompts` (and of their autoregressive
+    decodings `plain`, for the speedup), as plain JSON-able numbers.
+
+    tau is the mean acceptance length (tokens per verify forward, bonus included, as in the DFlash
+    paper); acceptance_rate[k-1] the fraction of rounds whose block index k was accepted;
+    acceptance_length_counts[n-1] the rounds that produced n tokens. Greedy, `plain` also checks
+    that both decodings gave identical outputs.
+    """
+    lengths = [n for run in runs for n in run.acceptance_lengths]
+    drafted = [sum(column) for column in zip(*(run.drafted for run in runs), strict=True)]
+    accepted = [sum(column) for column in zip(*(run.accepted for run in runs), strict=True)]
+    new_tokens = sum(len(run.new_tokens) for run in runs)
+    seconds = sum(run.seconds for run in runs)
+    result: dict[str, Any] = {
+        "tau": statistics.fmean(lengths) if lengths else 0.0,
+        "acceptance_rate": [a / d if d else 0.0 for a, d in zip(accepted, drafted, strict=True)],
+        "acceptance_length_counts": [lengths.count(n) for n in range(1, block_size + 1)],
+        "tokens_per_target_forward": new_tokens / sum(run.target_forwards for run in runs),
+        "tokens_per_s": new_tokens / seconds,
+        "num_prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "block_size": block_size,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+    }
+    if plain is not None:
+        plain_tokens_per_s = sum(len(run.new_tokens) for run in plain) / sum(run.seconds for run in plain)
+        result["autoregressive_tokens_per_s"] = plain_tokens_per_s
+        result["speedup"] = result["tokens_per_s"] / plain_tokens_per_s
+        if temperature <= 0:
+            result["matches_autoregressive"] = all(
+                s.new_tokens == a.new_tokens for s, a in zip(runs, plain, strict=True)
+            )
+    if per_prompt:
+        result["prompts"] = [
+            {
+                "source": p.source,
+                "prompt_tokens": len(p.input_ids),
+                "new_tokens": run.new_tokens,
+                "acceptance_lengths": run.acceptance_lengths,
+            }
+            for p, run in zip(prompts, runs, strict=True)
+        ]
+    return result
+
+
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """Command-line "auto" choices: this process's GPU (LOCAL_RANK under torchrun) in bf16, else CPU fp32."""
+    if device == "auto":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    torch_device = torch.device(device)
+    auto = torch.bfloat16 if torch_device.type == "cuda" else torch.float32
+    return torch_device, {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype, auto)
+
+
+def load_target_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device | str, trust_remote_code: bool = False
+) -> nn.Module:
+    """The whole target (with its LM head) for decoding, from the local directory only."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
+    )
+    return model.to(device).eval().requires_grad_(False)
+
+
+def require_room_for_target(
+    path: str | Path, dtype: torch.dtype, device: torch.device, free_bytes: int
+) -> None:
+    """EvalError unless the whole target's weights fit in `free_bytes` of `device` (safetensors only)."""
+    from dflash_mp.models.target import checkpoint_bytes
+
+    needed = checkpoint_bytes(path, dtype)
+    if needed is not None and needed > free_bytes:
+        raise EvalError(
+            f"eval.every decodes with the whole target ({path}: {needed / 1e9:.1f} GB in "
+            f"{str(dtype).removeprefix('torch.')}) on the first drafter rank's {device}, which has "
+            f"{free_bytes / 1e9:.1f} GB free beside the drafter: set eval.every=0 and measure tau "
+            "after training with `python -m dflash_mp.eval` where the target fits (a target that "
+            "needed topology.target_parallel > 1 does not fit one GPU)"
+        )
+
+
+class AcceptanceEvaluator:
+    """`evaluate_acceptance` during training: the full target, its tokenizer and cfg.eval.num_prompts
+    held-out prompts loaded once, in the training precision, and checked before the first step.
+
+    The whole target (LM head included) lives on the evaluating rank, so eval.every works only
+    where the target fits beside the drafter; on CUDA that is checked before the target is read.
+    """
+
+    def __init__(self, cfg: Any, device: torch.device) -> None:
+        from dflash_mp.config.precision import resolve_precision
+        from dflash_mp.data import load_tokenizer
+
+        dtype, _, _ = resolve_precision(cfg, device)
+        if device.type == "cuda":  # before minutes of reading a target that cannot fit
+            require_room_for_target(cfg.model.target_path, dtype, device, torch.cuda.mem_get_info(device)[0])
+        trust_remote_code = cfg.model.trust_remote_code
+        self.tokenizer = load_tokenizer(
+            cfg.model.target_path, trust_remote_code, require_chat_template=not cfg.data.chat_template
+        )
+        self.target = load_target_model(cfg.model.target_path, dtype, device, trust_remote_code)
+        from dflash_mp.evaluation.benchmark_table import TrainingBenchmarks
+
+        self.prompts = load_eval_prompts(cfg, self.tokenizer) if has_held_out_prompts(cfg) else []
+        self.benchmarks = TrainingBenchmarks(cfg, self.tokenizer)
+        self.max_new_tokens = cfg.eval.max_new_tokens
+        context = getattr(self.target.config.get_text_config(), "max_position_embeddings", None)
+        check_prompt_lengths(
+            self.prompts + self.benchmarks.first_turn_prompts(), self.max_new_tokens, context
+        )
+
+    def __call__(self, drafter: DFlashDrafter) -> dict[str, Any]:
+        """tau and friends of `drafter` (the bare module, not its DDP wrapper) on the held-out prompts."""
+        return evaluate_acceptance(drafter, self.target, self.tokenizer, self.prompts, self.max_new_tokens)
+
+    def measure(self, drafter: DFlashDrafter) -> dict[str, float]:
+        """What an evaluation step logs: tau on the held-out prompts, tau/<name> on each eval.benchmarks."""
+        taus = {"tau": self(drafter)["tau"]} if self.prompts else {}
+        return taus | self.benchmarks.taus(drafter, self.target)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The result as a few readable lines for the console."""
+    lines = [
+        f"prompts {result['num_prompts']}, new tokens {result['new_tokens']}, block size {result['block_size']}, "
+        f"temperature {result['temperature']}",
+        f"  tau (mean acceptance length)   {result['tau']:.3f}",
+        f"  tokens per target forward      {result['tokens_per_target_forward']:.3f}",
+        f"  speculative tokens/s           {result['tokens_per_s']:.1f}",
+    ]
+    if "autoregressive_tokens_per_s" in result:
+        lines.append(f"  autoregressive tokens/s        {result['autoregressive_tokens_per_s']:.1f}")
+        lines.append(f"  speedup                        {result['speedup']:.2f}x")
+    if "matches_autoregressive" in result:
+        lines.append(f"  same output as greedy          {result['matches_autoregressive']}")
+    lines.append("  block index   acceptance rate")
+    lines += [f"  {k:>11}   {rate:.3f}" for k, rate in enumerate(result["acceptance_rate"], start=1)]
+    return "\n".join(lines)
