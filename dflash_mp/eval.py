@@ -27,15 +27,13 @@ from pathlib import Path
 
 from dflash_mp.data.benchmark_sets import BenchmarkError, resolve_benchmarks
 from dflash_mp.evaluation.acceptance import (
-    EvalError,
     evaluate_acceptance,
     format_table,
-    held_out_prompt_files,
-    load_prompts,
     load_target_model,
     resolve_device,
 )
 from dflash_mp.evaluation.benchmark_table import format_benchmark_table, plan_table, run_table
+from dflash_mp.evaluation.prompts import EvalError, held_out_prompt_files, load_prompts
 from dflash_mp.evaluation.served_acceptance import (
     add_served_arguments,
     measure_served,

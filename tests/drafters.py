@@ -13,8 +13,9 @@ import torch
 
 from dflash_mp.config.schema import RootConfig, compose_config, to_dataclass
 from dflash_mp.data import load_tokenizer
-from dflash_mp.evaluation.acceptance import Prompt, load_target_model, stop_token_ids
+from dflash_mp.evaluation.acceptance import load_target_model, stop_token_ids
 from dflash_mp.evaluation.decoding import autoregressive_generate
+from dflash_mp.evaluation.prompts import Prompt
 from dflash_mp.runtime.roles import make_feature_extractor
 from dflash_mp.training.features import Features
 from dflash_mp.training.trainer import DrafterTrainer

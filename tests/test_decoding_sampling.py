@@ -11,8 +11,9 @@ from dflash import model as reference
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from dflash_mp.evaluation import decoding
-from dflash_mp.evaluation.acceptance import load_eval_prompts, stop_token_ids
+from dflash_mp.evaluation.acceptance import stop_token_ids
 from dflash_mp.evaluation.decoding import _rejection_sample, sampling_probs, speculative_generate
+from dflash_mp.evaluation.prompts import load_eval_prompts
 from dflash_mp.export.hf import export_drafter, load_exported_drafter
 from tests.drafters import embedded_config, embedded_target, train_on_target_tokens
 

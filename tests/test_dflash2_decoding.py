@@ -14,8 +14,9 @@ import pytest
 import torch
 from dflash import model as reference
 
-from dflash_mp.evaluation.acceptance import evaluate_acceptance, load_eval_prompts, stop_token_ids
+from dflash_mp.evaluation.acceptance import evaluate_acceptance, stop_token_ids
 from dflash_mp.evaluation.decoding import _rejection_sample, speculative_generate
+from dflash_mp.evaluation.prompts import load_eval_prompts
 from dflash_mp.export.hf import export_drafter, load_exported_drafter
 from dflash_mp.runtime.roles import make_feature_extractor
 from dflash_mp.training.features import Features

@@ -26,8 +26,9 @@ from transformers import Qwen3Config
 
 from dflash_mp.config.schema import ConfigError
 from dflash_mp.config.validation import validate
-from dflash_mp.evaluation.acceptance import load_eval_prompts, stop_token_ids
+from dflash_mp.evaluation.acceptance import stop_token_ids
 from dflash_mp.evaluation.decoding import _propose, speculative_generate
+from dflash_mp.evaluation.prompts import load_eval_prompts
 from dflash_mp.export.hf import export_drafter, load_exported_drafter
 from dflash_mp.kernels.block_mask import block_mask_mod, dense_block_mask, flex_block_mask
 from dflash_mp.models import drafter as drafter_module

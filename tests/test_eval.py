@@ -12,15 +12,12 @@ import torch
 from dflash_mp.eval import main
 from dflash_mp.evaluation.acceptance import (
     AcceptanceEvaluator,
-    EvalError,
-    Prompt,
     evaluate_acceptance,
-    load_eval_prompts,
-    load_prompts,
     require_room_for_target,
     stop_token_ids,
 )
 from dflash_mp.evaluation.decoding import _rejection_sample, autoregressive_generate, speculative_generate
+from dflash_mp.evaluation.prompts import EvalError, Prompt, load_eval_prompts, load_prompts
 from dflash_mp.export.hf import export_drafter
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import build_drafter_config

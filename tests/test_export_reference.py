@@ -15,8 +15,9 @@ from dflash import model as reference
 from omegaconf import OmegaConf
 
 from dflash_mp.config.schema import compose_config
-from dflash_mp.evaluation.acceptance import load_eval_prompts, stop_token_ids
+from dflash_mp.evaluation.acceptance import stop_token_ids
 from dflash_mp.evaluation.decoding import speculative_generate
+from dflash_mp.evaluation.prompts import load_eval_prompts
 from dflash_mp.export.cli import main
 from dflash_mp.export.hf import load_exported_drafter
 from dflash_mp.run import checkpoint

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from dflash_mp.embedded import embedded_path
 from dflash_mp.eval import main
-from dflash_mp.evaluation.acceptance import prompt_records
+from dflash_mp.evaluation.prompts import prompt_records
 from dflash_mp.evaluation.served_acceptance import (
     ServedAcceptance,
     measure_served,

@@ -133,7 +133,8 @@ def test_a_stock_target_with_sharegpt_thinking_data_gives_a_drafter_dflash_decod
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    from dflash_mp.evaluation.acceptance import load_prompts, load_target_model, stop_token_ids
+    from dflash_mp.evaluation.acceptance import load_target_model, stop_token_ids
+    from dflash_mp.evaluation.prompts import load_prompts
     from dflash_mp.export.cli import main as export_main
 
     train, held_out = _sharegpt_data_with_thinking(stock_qwen3_target, tmp_path)

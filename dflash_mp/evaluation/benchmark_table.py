@@ -24,14 +24,13 @@ from torch import nn
 
 from dflash_mp.data.benchmark_sets import Benchmark, Conversation, load_conversations, resolve_benchmark
 from dflash_mp.evaluation.acceptance import (
-    EvalError,
-    Prompt,
     acceptance_summary,
     check_drafter_fits,
     check_prompt_lengths,
     stop_token_ids,
 )
 from dflash_mp.evaluation.decoding import autoregressive_generate, speculative_generate
+from dflash_mp.evaluation.prompts import EvalError, Prompt
 from dflash_mp.models.drafter import DFlashDrafter
 
 # generation_config.json fields a serving engine also applies by default, which this table does not.

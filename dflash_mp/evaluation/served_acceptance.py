@@ -27,7 +27,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from dflash_mp.evaluation.acceptance import EvalError, prompt_records
+from dflash_mp.evaluation.prompts import EvalError, prompt_records
 
 DEFAULT_TOLERANCE = 0.10
 REQUEST_TIMEOUT_S = 600.0

@@ -143,7 +143,7 @@ class Conversation:
 
 def parse_conversation(index: int, source: str, text: str) -> Conversation:
     """A record's messages, checked; ValueError says what is wrong."""
-    from dflash_mp.evaluation.acceptance import chat_messages
+    from dflash_mp.evaluation.prompts import chat_messages
 
     try:
         record = json.loads(text)
