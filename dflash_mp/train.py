@@ -13,10 +13,11 @@ paths before anything heavy is imported.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import hydra
 from omegaconf import DictConfig
@@ -50,8 +51,7 @@ def run_rank(dict_cfg: DictConfig) -> None:
     except watchdog.Preempted as stop:
         watchdog.finish("preempted")
         append_job_log(run_dir, f"rank {job.rank} ({job.role.value}) {stop}")
-        _leave_process_groups()
-        sys.exit(watchdog.EXIT_PREEMPTED)
+        _exit_early(watchdog.EXIT_PREEMPTED)
     except BaseException as e:
         # Once a stop was requested, a rank whose peers already left ends on a broken connection:
         # expected, so no error file that would pass for the job's root cause.
@@ -60,8 +60,7 @@ def run_rank(dict_cfg: DictConfig) -> None:
         append_job_log(run_dir, f"rank {job.rank} ({job.role.value}) {state}: {type(e).__name__}: {e}")
         if state == "stopped":
             get_logger().info("stopped on request", exc_info=True)
-            _leave_process_groups()
-            sys.exit(watchdog.EXIT_PREEMPTED)
+            _exit_early(watchdog.EXIT_PREEMPTED)
         raise
     watchdog.finish("done")  # waiting in the barrier below is not a hang
     dist.barrier(group=job.meta_group)
@@ -104,14 +103,24 @@ def _join_job(cfg: RootConfig) -> tuple[Job, Path]:
     return job, run_dir
 
 
-def _leave_process_groups() -> None:
-    """Destroy the process groups before a rank exits early: left to the interpreter's exit, gloo's
-    threads are still joinable when C++ destroys them, and the rank aborts ("terminate called
-    without an active exception", "Fatal Python error: Aborted") after it ended cleanly."""
-    import torch.distributed as dist
+def _exit_early(code: int) -> NoReturn:
+    """Leave the process groups (dflash_mp.runtime.distributed.leave_process_groups), exit `code`.
+    A receive still posted after that wait (a target that hung) keeps a thread inside gloo, which
+    would abort the interpreter's teardown once that target goes: the rank then runs its exit
+    handlers and ends without the teardown."""
+    from dflash_mp.runtime.distributed import LEAVE_TIMEOUT_S, leave_process_groups
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if leave_process_groups(LEAVE_TIMEOUT_S):
+        sys.exit(code)
+    get_logger().warning(
+        "leaving: a target sent nothing for %gs, a receive is still posted; exiting without the "
+        "interpreter's teardown",
+        LEAVE_TIMEOUT_S,
+    )
+    atexit._run_exitfuncs()  # the heartbeat's "exited" mark, the log files' flush
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _preflight_under_plain_torchrun(cfg: RootConfig, run_dir: Path, job: Job) -> None:
@@ -143,8 +152,7 @@ def _preflight_under_plain_torchrun(cfg: RootConfig, run_dir: Path, job: Job) ->
     problem = broadcast_text(problem, src=0, group=job.meta_group)
     if problem:
         print(f"dflash_mp: rank {job.rank}: refused: {problem}", file=sys.stderr, flush=True)
-        _leave_process_groups()
-        sys.exit(EXIT_CONFIG_ERROR)
+        _exit_early(EXIT_CONFIG_ERROR)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)

@@ -3,6 +3,7 @@ backpressure rules over an in-process stand-in for torch.distributed's point-to-
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -93,6 +94,65 @@ def test_the_same_transport_over_nccl(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     _exchange(tmp_path, "nccl")
+
+
+class _SlowTeardown:
+    """Freed with this module's globals in the interpreter's teardown, which it stretches as a loaded
+    machine does: what the target does next (a header, its exit) lands in it."""
+
+    def __del__(self) -> None:
+        time.sleep(1.5)
+
+
+_slow_teardown = None
+
+
+def _leaving_worker(rank: int, init_file: str, target: str, exited: str) -> None:
+    """Rank 0 serves micro-batches; rank 1 takes three, then leaves as a stopped drafter rank does."""
+    global _slow_teardown
+    import atexit
+
+    from dflash_mp import train
+    from dflash_mp.runtime import distributed
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    meta = dist.new_group(backend="gloo")
+    if rank == 0:
+        sender = Sender(meta, None, torch.device("cpu"), max_inflight=1)
+        ids, mask, lengths, sample_ids, hidden = _micro_batch(0, 2, 7)
+        with contextlib.suppress(RuntimeError):  # the drafter left
+            for m in range(1000):
+                if target == "hung" and m == 4:  # until the drafter has exited, then this process ends
+                    while not os.path.exists(exited):
+                        time.sleep(0.05)
+                    time.sleep(0.3)
+                    return
+                time.sleep(0.2)  # the forward: the drafter waits on every header
+                sender.send_header(1, m, epoch=0, batch=2, seq=7, feat=FEATURES, dtype=hidden.dtype, bad=0)
+                sender.send_tensors(1, pack_tokens(ids, mask, lengths, sample_ids), hidden)
+        return
+    receiver = Receiver(meta, None, torch.device("cpu"), range(1000), source_of=lambda m: 0)
+    for _ in range(3):  # then a stop, with receives posted for headers the target has not sent yet
+        receiver.next()
+    _slow_teardown = _SlowTeardown()
+    atexit.register(lambda: open(exited, "w").close())
+    distributed.LEAVE_TIMEOUT_S = 1.0
+    train._exit_early(0)
+
+
+@pytest.mark.parametrize("target", ["serving", "hung"])
+def test_a_drafter_that_leaves_mid_stream_ends_without_aborting(tmp_path, target):
+    """A drafter leaves (a stop request) with header receives posted; the target's next header, or
+    its exit, comes while the drafter's interpreter tears down. No abort from the thread that waits
+    on them: the drafter sees them through, or, its target hung, exits after its exit handlers
+    without the interpreter's teardown."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    exited = tmp_path / "exited"
+    # Raises ProcessExitedException ("terminated with signal SIGABRT") on an abort.
+    mp.start_processes(
+        _leaving_worker, args=(str(tmp_path / "init"), target, str(exited)), nprocs=2, start_method="spawn"
+    )
+    assert exited.exists()  # the drafter ran its exit handlers (its heartbeat's "exited" mark)
 
 
 def test_token_packing_round_trip():

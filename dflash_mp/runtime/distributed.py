@@ -24,6 +24,9 @@ from dflash_mp.runtime.topology import Role, Topology
 # and the launcher's backstop another 10 s): a rank waiting on a peer that stopped making progress
 # must not time out first and be blamed; the watchdog names the peer.
 PROCESS_GROUP_TIMEOUT_MARGIN_S = 120.0
+# How long a rank that leaves early waits for the receives it still has posted (a few micro-batches
+# the targets produce anyway): well inside torchrun's grace before it kills the ranks.
+LEAVE_TIMEOUT_S = 30.0
 # Without a watchdog (watchdog.timeout_s=0) the groups' timeout is the only hang detection left:
 # long enough for a slow target load or a long eval, short enough to end a hung job the same day.
 PROCESS_GROUP_TIMEOUT_WITHOUT_WATCHDOG_S = 3600.0
@@ -141,3 +144,19 @@ def broadcast_int(value: int, src: int, group) -> int:
     tensor = torch.tensor([value], dtype=torch.int64)
     dist.broadcast(tensor, src=src, group=group)
     return int(tensor.item())
+
+
+def leave_process_groups(timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
+    """Before a rank exits early (a stop request, a refused start): see through the receives it
+    still has posted (dflash_mp.runtime.transport.settle_open_receivers), then destroy the process groups.
+    Else the rank aborts after it ended cleanly ("terminate called without an active exception",
+    "Fatal Python error: Aborted"): left to the interpreter's exit, gloo's threads are still
+    joinable when C++ destroys them, and a thread waiting on a posted receive wakes into the
+    interpreter's teardown when a header comes or the sender goes. False when a receive is still
+    posted after `timeout_s`: the caller must then end the process without that teardown."""
+    from dflash_mp.runtime.transport import settle_open_receivers
+
+    settled = settle_open_receivers(timeout_s)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return settled

@@ -19,10 +19,13 @@ into one the caller still reads. Same code on gloo (CPU) and NCCL (GPU).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import torch
@@ -181,14 +184,17 @@ class Sender:
 
 
 class _HeaderArrivals:
-    """Waits in a helper thread on posted header receives, in the order they were posted, so
-    the receiver can ask whether a header is in without blocking: gloo's work.is_completed()
-    stays False until someone has called wait(). The thread is a daemon: a rank that leaves
-    early (preemption, error) does not wait for a header that will never come."""
+    """Waits in a helper thread on posted header receives (settling, on tensor receives too), in
+    the order they were posted, so the receiver can ask whether a header is in without blocking:
+    gloo's work.is_completed() stays False until someone has called wait(). The interpreter must
+    not end while the thread waits in gloo: woken then (a header, the sender gone), the thread
+    aborts the process ("terminate called without an active exception"). See Receiver.settle."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="transport-headers", daemon=True).start()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="transport-headers", daemon=True)
+        self._thread.start()
 
     def watch(self, work) -> Future:
         arrived: Future = Future()
@@ -196,7 +202,14 @@ class _HeaderArrivals:
         return arrived
 
     def close(self) -> None:
-        self._queue.put(None)
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+
+    def join(self, timeout_s: float) -> bool:
+        """True once the thread has ended (it waits inside gloo no more)."""
+        self._thread.join(max(timeout_s, 0.0))
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -221,6 +234,15 @@ class _PendingTensors:
         self.features, self.works = features, works
 
 
+_open_receivers: list[Receiver] = []  # those that may have receives posted
+
+
+def settle_open_receivers(timeout_s: float) -> bool:
+    """Receiver.settle for every open receiver, within `timeout_s` in all: True when none is left."""
+    deadline = time.monotonic() + timeout_s
+    return all([receiver.settle(deadline - time.monotonic()) for receiver in list(_open_receivers)])
+
+
 class Receiver:
     """Drafter side: receives the micro-batches it consumes, in increasing index order.
 
@@ -240,21 +262,24 @@ class Receiver:
         self._headers: deque[_PendingHeader] = deque()  # posted; their tensor receives are not
         self._next_tensors: _PendingTensors | None = None  # posted for the next micro-batch handed out
         self._ended = False  # no more header receives to post (indices exhausted, or end of data read)
+        _open_receivers.append(self)
         self._post_headers()
 
     def _post_headers(self) -> None:
         while not self._ended and len(self._headers) < HEADER_LOOKAHEAD:
             index = next(self.indices, None)
             if index is None:
-                self._end()
+                self._ended = True
                 return
             self._headers.append(
                 _PendingHeader(index, self.source_of(index), self.meta_group, self._arrivals)
             )
 
-    def _end(self) -> None:
+    def _closed(self) -> None:  # nothing posted any more
         self._ended = True
         self._arrivals.close()
+        if self in _open_receivers:
+            _open_receivers.remove(self)
 
     def _wait(self, works) -> None:
         for work in works:
@@ -311,7 +336,7 @@ class Receiver:
             return
         self._next_tensors = self._post_tensors(self._headers.popleft())
         if self._next_tensors.features.end_of_data:
-            self._end()
+            self._ended = True
         else:
             self._post_headers()
 
@@ -325,6 +350,8 @@ class Receiver:
         self._wait(current.works)
         self._post_next_tensors(block=False)  # the header may have come in during the wait (gloo)
         self.bytes_received += current.features.nbytes
+        if current.features.end_of_data:
+            self._closed()
         return current.features
 
     def prefetch(self) -> None:
@@ -334,3 +361,25 @@ class Receiver:
         was not in when `next()` handed the current one out.
         """
         self._post_next_tensors(block=False)
+
+    def settle(self, timeout_s: float) -> bool:
+        """Leaving early (a stop), before the groups go: a gloo receive cannot be cancelled, so see
+        each posted one through, its micro-batch received and dropped, or failed as its sender
+        left. The senders serve until a send to this rank fails, so the headers still to come
+        arrive; their tensors are received, which lets the senders past those sends. True when
+        nothing is left posted within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        left = lambda: max(deadline - time.monotonic(), 0.0)  # noqa: E731
+        self._ended = True
+        tensors = [self._next_tensors] if self._next_tensors is not None else []
+        self._next_tensors = None
+        while self._headers and wait_futures([self._headers[0].arrived], timeout=left()).done:
+            with contextlib.suppress(Exception):  # the sender left (or sent garbage): nothing comes
+                tensors.append(self._post_tensors(self._headers.popleft()))
+        for work in (work for pending in tensors for work in pending.works):
+            self._arrivals.watch(work)  # the thread waits on them before it ends
+        self._arrivals.close()
+        settled = not self._headers and self._arrivals.join(left())
+        if settled:
+            self._closed()
+        return settled
