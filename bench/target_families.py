@@ -3,6 +3,7 @@
     python bench/target_families.py --out families.json          # the five family shapes, one GPU
     python bench/target_families.py --shapes qwen3.5-9b,gpt-oss-20b --out families.json
     python bench/target_families.py --shapes tiny-gpt-oss --device cpu   # CPU smoke run
+    python bench/target_families.py --shapes qwen3-30b-a3b --experts grouped_mm --profile   # A/B, kernels
 
 For each shape (bench/benchlib/family_shapes.py) a random bf16 target is built on the GPU, layers up
 to the last one a 5-layer drafter reads, and three forwards of the same weights are timed on one
@@ -11,7 +12,9 @@ batch of S random tokens:
   model allows it, eager attention for gpt-oss; its default experts implementation);
 - kernels: TargetFeatureExtractor after use_fast_kernels (sink attention on flex, grouped-GEMM
   experts; fla's kernels for linear attention whenever installed, in every variant);
-- target_stage: the same, compiled per layer kind as a training job runs it (compile_layers).
+- target_stage: the same, compiled per layer kind as a training job runs it (compile_layers);
+  `--experts grouped_mm` runs transformers' experts there instead of ours, `--profile` adds the
+  target stage's top kernels.
 MFU = 2 x (parameters of the layers run, experts scaled by top-k / experts) x S per forward over
 the bf16 matmul peak measured at the start of the same run (attention left out; reported apart
 for the softmax-attention layers). Peak memory is the GPU's allocated peak during each variant.
@@ -35,6 +38,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from benchlib.family_shapes import FAMILY_SHAPES, FamilyShape  # noqa: E402
 
+from dflash_mp.models import moe_experts  # noqa: E402
+from dflash_mp.models.moe_experts import EXPERTS_IMPLEMENTATION  # noqa: E402
 from dflash_mp.models.target import TargetFeatureExtractor  # noqa: E402
 from dflash_mp.models.target_kernels import linear_attention_kernels  # noqa: E402
 
@@ -89,6 +94,31 @@ def timed(forward, device: torch.device, warmup: int, iters: int) -> dict:
     return result, out
 
 
+def top_kernels(forward, device: torch.device, calls: int = 2, top: int = 25) -> list[dict]:
+    """The kernels (GPU) or operators (CPU) taking the most self time over `calls` forwards."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            forward()
+        bl.sync(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    total = sum(getattr(e, key) for e in rows)
+    rows.sort(key=lambda e: -getattr(e, key))
+    return [
+        {
+            "name": e.key[:160],
+            "ms_per_forward": getattr(e, key) / 1e3 / calls,
+            "share": getattr(e, key) / total,
+            "count_per_forward": e.count / calls,
+        }
+        for e in rows[:top]
+    ]
+
+
 def measure(
     shape: FamilyShape, device: torch.device, dtype: torch.dtype, args, peak_flops: float | None
 ) -> dict:
@@ -139,6 +169,8 @@ def measure(
     variants["kernels"], features = timed(lambda: extractor(ids), device, args.warmup, args.iters)
     result["compiled"] = extractor.compile_layers()
     variants["target_stage"], compiled = timed(lambda: extractor(ids), device, args.warmup, args.iters)
+    if args.profile:
+        result["target_stage_top_kernels"] = top_kernels(lambda: extractor(ids), device)
     scale = reference.float().abs().max().item()
     for name, out in (("kernels", features), ("target_stage", compiled)):
         variants[name]["max_abs_diff_vs_hf"] = (
@@ -161,9 +193,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=5, help="measured forwards per variant")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--experts",
+        choices=(EXPERTS_IMPLEMENTATION, "grouped_mm"),
+        default=EXPERTS_IMPLEMENTATION,
+        help="the target stage's MoE experts: ours (pointwise combine) or transformers' grouped_mm",
+    )
+    p.add_argument("--profile", action="store_true", help="top kernels of the target stage (torch.profiler)")
+    p.add_argument(
         "--time-budget", type=float, default=450.0, help="start no shape after this many s (0: none)"
     )
     args = p.parse_args(argv)
+    if args.experts != EXPERTS_IMPLEMENTATION:
+        moe_experts.register = lambda: False  # use_fast_kernels keeps transformers' grouped_mm
     names = [n.strip() for n in args.shapes.split(",") if n.strip()]
     unknown = sorted(set(names) - set(FAMILY_SHAPES))
     if unknown:

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from dflash_mp.models.moe_experts import EXPERTS_IMPLEMENTATION
 from tests.conftest import REPO
 
 
@@ -25,7 +26,7 @@ def test_target_families_runs_on_cpu(tmp_path: Path) -> None:
         assert shape["params_layers_run"] > shape["active_params_layers_run"] > shape["params_layers_run"] / 2
         for variant in ("kernels", "target_stage"):
             assert shape["variants"][variant]["max_abs_diff_vs_hf"] < 1e-4
-        assert shape["kernels"]["experts"] == "grouped_mm"
+        assert shape["kernels"]["experts"] == EXPERTS_IMPLEMENTATION
     assert report["shapes"]["tiny-gpt-oss"]["kernels"]["attention"].startswith("flex_attention with sinks")
     # Layers 0..2 run, all gated deltanet: their fla kernels stay eager.
     assert report["shapes"]["tiny-qwen3.5-moe"]["compiled"] == {"mlp and norms": 3}

@@ -9,6 +9,7 @@ import torch
 from transformers import GptOssConfig, Qwen3_5TextConfig, Qwen3MoeConfig
 
 from dflash_mp.models import target_kernels
+from dflash_mp.models.moe_experts import EXPERTS_IMPLEMENTATION
 from dflash_mp.models.target import TargetFeatureExtractor
 
 SEQ = 40  # over three flex blocks of the sliding window's 16 rows, not a multiple of any
@@ -82,9 +83,38 @@ def test_fast_kernels_keep_hf_hidden_states(family: str) -> None:
         assert extractor.decoder.config._attn_implementation == target_kernels.SINK_ATTENTION
         assert "sinks" in kernels["attention"]
     if "moe" in family or family == "gpt_oss":
-        assert kernels["experts"] == "grouped_mm"
+        assert kernels["experts"] == EXPERTS_IMPLEMENTATION
     if family.startswith("qwen3_5"):
         assert "linear_attention" in kernels
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "qwen3_5_moe"])
+def test_the_pointwise_combine_equals_transformers_experts(family: str) -> None:
+    """moe_experts' forward against transformers' loop and its grouped_mm forward, with a top-k
+    where tokens share experts and some experts get no token (gpt-oss: biases, transposed weights,
+    its own clamped gate)."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    from dflash_mp.models import moe_experts
+
+    assert moe_experts.register()
+    config = FAMILIES[family]()
+    config._experts_implementation = "eager"
+    extractor = TargetFeatureExtractor.build_random(config, [0], torch.float32, "cpu", seed=5)
+    experts = extractor.decoder.layers[0].mlp.experts
+    for p in experts.parameters():  # random biases too (they start at zero)
+        torch.nn.init.normal_(p, std=0.2)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randn(9, config.hidden_size, generator=g)
+    index = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(9)])  # expert 3 idle
+    weights = torch.rand(9, 2, generator=g)
+    with torch.no_grad():
+        expected = experts(tokens, index, weights)  # transformers' eager loop
+        ours = moe_experts.grouped_experts_forward(experts, tokens, index, weights)
+        grouped = grouped_mm_experts_forward(experts, tokens, index, weights)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, grouped, atol=1e-5, rtol=1e-5)
+    assert ours.abs().max() > 0.1
 
 
 def test_sink_attention_matches_hf_eager_with_large_sinks() -> None:
@@ -140,7 +170,7 @@ def test_describe_kernels_names_the_missing_extra(monkeypatch: pytest.MonkeyPatc
     kernels = target_kernels.describe_kernels(_qwen3_5(), on_gpu=True)
     assert "torch fallback" in kernels["linear_attention"] and "222 ms" in kernels["linear_attention"]
     assert target_kernels.describe_kernels(_gpt_oss(), on_gpu=True)["attention"].startswith("flex")
-    assert target_kernels.describe_kernels(_qwen3_moe(), on_gpu=True)["experts"] == "grouped_mm"
+    assert target_kernels.describe_kernels(_qwen3_moe(), on_gpu=True)["experts"] == EXPERTS_IMPLEMENTATION
     assert "linear_attention" not in target_kernels.describe_kernels(_qwen3_moe(), on_gpu=True)
 
 
@@ -163,7 +193,10 @@ def test_doctor_names_the_kernels_and_the_missing_extra(tmp_path, monkeypatch: p
     assert "fla Triton kernels" in check_target_kernels(str(hybrid), on_gpu=True).message
     check = check_target_kernels(str(sinks), on_gpu=True)
     assert check.ok and not check.message.startswith("warning")
-    assert "attention: flex_attention with sinks" in check.message and "experts: grouped_mm" in check.message
+    assert (
+        "attention: flex_attention with sinks" in check.message
+        and f"experts: {EXPERTS_IMPLEMENTATION}" in check.message
+    )
     assert check_target_kernels(str(tmp_path / "absent"), on_gpu=True).message.startswith(
         "warning: cannot read"
     )

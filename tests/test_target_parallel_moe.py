@@ -21,6 +21,7 @@ import transformers
 
 from dflash_mp.config.schema import ConfigError
 from dflash_mp.config.validation import validate
+from dflash_mp.models.moe_experts import EXPERTS_IMPLEMENTATION
 from dflash_mp.models.parallel_styles import ExpertsParallel, PerHeadParameters
 from dflash_mp.models.target import TargetFeatureExtractor
 from dflash_mp.models.tensor_parallel import layer_plan, plan_problems
@@ -153,7 +154,7 @@ def _numel(shape: list[int]) -> int:
 @pytest.mark.parametrize("case", CASES)
 def test_a_two_rank_moe_replica_gives_the_hidden_states_of_one_rank(replica_results, targets, case):
     single = _run(case, targets)
-    assert single["experts"] == "grouped_mm"
+    assert single["experts"] == EXPERTS_IMPLEMENTATION
     splits_heads = "self_attn.q_proj" in _plan(case)
     for rank_results in replica_results:
         result = rank_results[case]

@@ -11,7 +11,8 @@
   on an H200); their MLP and norms are, and without the `causal-conv1d` package their short
   causal convolution runs as K shifted multiply-adds compiled into one kernel (torch's depthwise
   conv1d took 0.44 ms a layer at S=3072 on an H200, 17% of a Qwen3.5-35B-A3B forward).
-- Mixture-of-experts: transformers' grouped-GEMM experts (torch._grouped_mm) instead of a loop.
+- Mixture-of-experts: transformers' grouped-GEMM experts (torch._grouped_mm) instead of a loop,
+  with the combine of each token's top-k outputs as one pointwise kernel (models/moe_experts.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
+
+from dflash_mp.models import moe_experts
 
 SINK_ATTENTION = "dflash_sink_flex"
 # torch.compile is lazy: nothing compiles until a GPU forward calls it (static shapes first,
@@ -67,7 +70,7 @@ def describe_kernels(config: Any, on_gpu: bool) -> dict[str, str]:
     if has_linear_attention(config):
         kernels["linear_attention"] = linear_attention_kernels()
     if is_moe(config):
-        kernels["experts"] = "grouped_mm"
+        kernels["experts"] = moe_experts.EXPERTS_IMPLEMENTATION if moe_experts.register() else "grouped_mm"
     return kernels
 
 
@@ -82,7 +85,9 @@ def use_fast_kernels(decoder: nn.Module) -> dict[str, str]:
         _register_sink_attention()
         config._attn_implementation = SINK_ATTENTION
     if is_moe(config) and hasattr(decoder, "set_experts_implementation"):
-        decoder.set_experts_implementation("grouped_mm")
+        decoder.set_experts_implementation("grouped_mm")  # transformers checks it can dispatch here
+        if config._experts_implementation == "grouped_mm" and moe_experts.register():
+            decoder.set_experts_implementation(moe_experts.EXPERTS_IMPLEMENTATION)
     kernels = {"attention": _ATTENTION_NAMES.get(config._attn_implementation, config._attn_implementation)}
     if has_linear_attention(config):
         kernels["linear_attention"] = linear_attention_kernels()
