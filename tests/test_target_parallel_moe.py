@@ -81,7 +81,8 @@ def _run(case: str, targets: dict[str, str], mesh=None, compiled: bool = False) 
     weights = {
         "gate_up_proj": layer.mlp.experts.gate_up_proj,
         "down_proj": layer.mlp.experts.down_proj,
-        "attention": next(layer.self_attn.parameters()),  # q_proj, or MLA's q_a_proj
+        # The query projection that carries the heads: q_proj, or MLA's q_b_proj after its low rank.
+        "attention": (getattr(layer.self_attn, "q_b_proj", None) or layer.self_attn.q_proj).weight,
         "sinks": getattr(layer.self_attn, "sinks", torch.empty(0)),
     }
     result = {f"{name}_shape": list(_local(w).shape) for name, w in weights.items()}
@@ -155,7 +156,7 @@ def _numel(shape: list[int]) -> int:
 def test_a_two_rank_moe_replica_gives_the_hidden_states_of_one_rank(replica_results, targets, case):
     single = _run(case, targets)
     assert single["experts"] == EXPERTS_IMPLEMENTATION
-    splits_heads = "self_attn.q_proj" in _plan(case)
+    splits_heads = bool({"self_attn.q_proj", "self_attn.q_b_proj"} & set(_plan(case)))
     for rank_results in replica_results:
         result = rank_results[case]
         assert result["oversized"] == []
@@ -187,6 +188,15 @@ def test_the_experts_split_comes_from_the_config_plans():
     # Qwen3.5's linear attention: column shards gathered back whole.
     in_proj = _plan("qwen3_5_moe")["linear_attn.in_proj_qkv"]
     assert type(in_proj).__name__ == "ColwiseParallel" and in_proj.output_layouts[0].is_replicate()
+    # MLA's kv_a projection (transformers >= 5.2x names it "mla_kv_a_proj") stays whole: its output
+    # feeds the rope keys of every head, and the style's only work is a backward reduction.
+    config = family_config("deepseek_v3").get_text_config()
+    config.base_model_tp_plan = {
+        **config.base_model_tp_plan,
+        "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+    }
+    mla = layer_plan(config)
+    assert "self_attn.kv_a_proj_with_mqa" not in mla and "self_attn.kv_b_proj" in mla
 
 
 def test_a_moe_plan_that_leaves_the_experts_whole_is_refused():

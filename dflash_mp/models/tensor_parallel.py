@@ -39,9 +39,10 @@ _COLWISE = ("colwise", "local_colwise")
 _ROWWISE = ("rowwise", "local_rowwise")
 # Column-wise with the output gathered back whole (Qwen3.5's linear attention): memory split only.
 _GATHERED = ("colwise_gather_output",)
-# Left whole on every rank: a gradient all-reduce only (a frozen target has none), the router
+# Left whole on every rank: a gradient all-reduce only (a frozen target has none; MLA's kv_a
+# projection in transformers >= 5.2x is whole too, its rope slice reduced in backward), the router
 # (every rank routes every token) and the owner of parameters that are local shards already.
-_WHOLE = ("replicated_with_grad_allreduce", "ep_router", "local_params")
+_WHOLE = ("replicated_with_grad_allreduce", "mla_kv_a_proj", "ep_router", "local_params")
 # What transformers' plans call the routed experts and their weights, over its 5.x versions.
 _EXPERT_STYLES = (
     *_COLWISE, *_ROWWISE, "packed_colwise", "packed_rowwise", "local_packed_rowwise", "local",
