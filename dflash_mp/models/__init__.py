@@ -1,13 +1,3 @@
-"""The trainable DFlash drafter and the frozen target that feeds it hidden states."""
-
-from dflash_mp.models.drafter import DFlashDrafter
-from dflash_mp.models.drafter_config import build_drafter_config
-from dflash_mp.models.target import TargetFeatureExtractor, load_embedding_and_head, load_target_config
-
-__all__ = [
-    "DFlashDrafter",
-    "TargetFeatureExtractor",
-    "build_drafter_config",
-    "load_embedding_and_head",
-    "load_target_config",
-]
+"""The trainable DFlash drafter (drafter.py) and the frozen target that feeds it hidden states
+(target.py). Import the submodules: the package imports nothing, so that a process that needs only
+the drafter's config (the launcher's preflight) does not pay for transformers' model classes."""

@@ -30,10 +30,19 @@ from torch.nn.attention.flex_attention import flex_attention
 from dflash_mp.models import moe_experts
 
 SINK_ATTENTION = "dflash_sink_flex"
-# torch.compile is lazy: nothing compiles until a GPU forward calls it (static shapes first,
-# dynamic once the sequence length changes).
-_COMPILED_FLEX = torch.compile(flex_attention)
-_FLEX_OUTSIDE_GRAPHS = torch.compiler.disable(flex_attention)
+
+
+@functools.cache
+def _compiled_flex():
+    # Wrapped on first GPU use: torch.compile itself imports inductor (about 1 CPU-second in every
+    # process that imports this module). Static shapes first, dynamic once the sequence length changes.
+    return torch.compile(flex_attention)
+
+
+@functools.cache
+def _flex_outside_graphs():
+    return torch.compiler.disable(flex_attention)
+
 
 # Measured on one H200, bf16, S=3072, HF's forward: what the missing extra costs.
 FLA_GAIN = "Qwen3.5-9B's forward takes 222 ms with the torch fallback, 111 ms with fla-core 0.6.0"
@@ -145,7 +154,11 @@ def shifted_causal_conv(
     return out.to(x.dtype)
 
 
-_COMPILED_CONV = torch.compile(shifted_causal_conv, dynamic=True)
+@functools.cache
+def _compiled_conv():
+    return torch.compile(shifted_causal_conv, dynamic=True)
+
+
 # The conv weights of the layers that take the compiled path, by storage address. transformers calls a
 # module-level function with the weight as an argument, so the switch is made per weight: another
 # model of the same class in the process (an HF reference, say) keeps transformers' own path.
@@ -161,7 +174,7 @@ def _routed(original):
         packed = any(v is not None for k, v in kwargs.items() if k not in _FORWARD_FLAGS)
         if owner is None or owner() is None or packed:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
-        conv = _COMPILED_CONV if hidden_states.is_cuda else shifted_causal_conv
+        conv = _compiled_conv() if hidden_states.is_cuda else shifted_causal_conv
         return conv(hidden_states, weight, bias, activation)
 
     causal_conv1d_fn.dflash_original = original
@@ -247,9 +260,9 @@ def _flex(device: torch.device):
     """flex_attention compiled (its fused kernel) on GPU; as is (a reference path) on CPU, where
     inductor cannot return the lse, so a compiled CPU layer runs it outside its graph."""
     if device.type != "cuda":
-        return _FLEX_OUTSIDE_GRAPHS
+        return _flex_outside_graphs()
     # Inside a compiled layer dynamo captures flex_attention itself.
-    return flex_attention if torch.compiler.is_compiling() else _COMPILED_FLEX
+    return flex_attention if torch.compiler.is_compiling() else _compiled_flex()
 
 
 def _flex_with_lse(query, key, value, block_mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
