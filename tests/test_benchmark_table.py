@@ -218,6 +218,7 @@ def test_training_logs_tau_per_benchmark(sets: dict, tmp_path: Path) -> None:
         "topology.targets=1",
         "topology.drafters=1",
         "train.micro_batch_size=2",
+        "train.export=false",
         "eval.every=2",
         "eval.num_prompts=1",
         "eval.max_new_tokens=6",

@@ -21,6 +21,7 @@ COMMON = (
     "train.micro_batch_size=2",
     "data.num_anchors=32",
     "logger.progress_every=100",
+    "eval.every=0",
 )
 
 

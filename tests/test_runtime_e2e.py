@@ -28,7 +28,8 @@ from tests.conftest import REPO, job_env, read_metrics, run_train
 pytestmark = pytest.mark.slow
 
 STEPS = 6
-COMMON = (f"train.max_steps={STEPS}", "train.micro_batch_size=2", "logger.progress_every=100")
+COMMON = (f"train.max_steps={STEPS}", "train.micro_batch_size=2", "logger.progress_every=100", "eval.every=0")
+NO_EXPORT = "train.export=false"  # where no test reads the export
 
 
 @pytest.fixture(scope="session")
@@ -56,8 +57,8 @@ def runs(tmp_path_factory, data_with_bad_line) -> dict[str, Path]:
             "train.grad_accum=2",
             "train.checkpoint_every=2",
         ),
-        "1t1d": ("topology.targets=1", "topology.drafters=1", "train.grad_accum=2"),
-        "1t2d": ("topology.targets=1", "topology.drafters=2", "train.grad_accum=1"),
+        "1t1d": ("topology.targets=1", "topology.drafters=1", "train.grad_accum=2", NO_EXPORT),
+        "1t2d": ("topology.targets=1", "topology.drafters=2", "train.grad_accum=1", NO_EXPORT),
         # On CPU the launcher needs the number of ranks (on GPU: one per visible GPU).
         "colocated": ("topology=colocated", "topology.drafters=2", "train.grad_accum=1"),
     }
@@ -140,6 +141,7 @@ def test_kill_9_then_resume_ends_with_the_same_weights(data_with_bad_line, tmp_p
         "topology.drafters=1",
         "train.grad_accum=2",
         "train.checkpoint_every=1",
+        NO_EXPORT,
     ]
     cmd = [sys.executable, "-m", "dflash_mp.train", f"run_dir={run}", *args]
     proc = subprocess.Popen(

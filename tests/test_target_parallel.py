@@ -240,6 +240,7 @@ def _replica_and_single_target_runs(tmp_path, *overrides: str) -> tuple[Path, Pa
         "train.micro_batch_size=2",
         "train.grad_accum=2",
         "train.export=false",
+        "eval.every=0",
         *overrides,
         "logger.progress_every=100",
         "topology.drafters=1",

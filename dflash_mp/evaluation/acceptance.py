@@ -7,14 +7,16 @@ import os
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dflash_mp.evaluation.decoding import Generation, autoregressive_generate, speculative_generate
 from dflash_mp.evaluation.prompts import EvalError, Prompt, has_held_out_prompts, load_eval_prompts
-from dflash_mp.models.drafter import DFlashDrafter
+
+if TYPE_CHECKING:  # annotations only: the preflight imports this without the models
+    from dflash_mp.models.drafter import DFlashDrafter
 
 # ----------------------------------------------------------------------------------------
 # checks

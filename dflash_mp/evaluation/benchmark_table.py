@@ -17,7 +17,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,7 +31,9 @@ from dflash_mp.evaluation.acceptance import (
 )
 from dflash_mp.evaluation.decoding import autoregressive_generate, speculative_generate
 from dflash_mp.evaluation.prompts import EvalError, Prompt
-from dflash_mp.models.drafter import DFlashDrafter
+
+if TYPE_CHECKING:  # annotations only: the preflight imports this without the models
+    from dflash_mp.models.drafter import DFlashDrafter
 
 # generation_config.json fields a serving engine also applies by default, which this table does not.
 UNAPPLIED_DEFAULTS = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0}

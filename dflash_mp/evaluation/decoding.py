@@ -24,13 +24,14 @@ import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_mp.models.drafter import DFlashDrafter
+if TYPE_CHECKING:  # annotations only: the preflight imports this without the models
+    from dflash_mp.models.drafter import DFlashDrafter
 
 
 @dataclass

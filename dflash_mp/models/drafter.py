@@ -22,13 +22,13 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from dflash_mp.kernels.block_mask import TileMask
 from dflash_mp.kernels.flash_attention import flash_block_attention
 from dflash_mp.models.block_rows import BlockRows, expand_rows, scored_rows
 from dflash_mp.models.dflash2 import CandidateSelector, GroupedDynamicConv
 from dflash_mp.models.drafter_config import SCALING_DEFAULTS, drafter_arch
+from dflash_mp.models.qwen3_layers import GatedMLP, RMSNorm, rotary_embedding, rotate_half
 
 AttentionMask = torch.Tensor | BlockMask | TileMask
 
@@ -67,8 +67,8 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(
         self,
@@ -140,9 +140,9 @@ class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.self_attn = DFlashAttention(config)
-        self.mlp = Qwen3MLP(config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = GatedMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.attention_conv: GroupedDynamicConv | None = None
         self.mlp_conv: GroupedDynamicConv | None = None
         if drafter_arch(config) == "dflash2":
@@ -222,10 +222,10 @@ class DFlashDrafter(nn.Module):
         softcap = scaling["final_logit_softcapping"]
         self.final_logit_softcapping: float | None = float(softcap) if softcap else None
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = rotary_embedding(config)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.arch = drafter_arch(config)
         self.candidate_selector: CandidateSelector | None = None
         if self.arch == "dflash2":
@@ -262,7 +262,7 @@ class DFlashDrafter(nn.Module):
                 module.weight.copy_(weight.normal_(0.0, std, generator=generator))
                 if module.bias is not None:
                     module.bias.zero_()
-            elif isinstance(module, Qwen3RMSNorm):
+            elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
         for module in self.modules():
             if isinstance(module, GroupedDynamicConv):

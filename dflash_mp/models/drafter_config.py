@@ -7,6 +7,8 @@ from typing import Any
 
 from transformers import PretrainedConfig, Qwen3Config
 
+from dflash_mp.models.qwen3_layers import rotary_embedding
+
 # Target-config keys the drafter copies as they are (the head geometry, the MLP width, the
 # activation and RoPE are derived: `drafter_geometry`).
 _COPIED_KEYS = (
@@ -111,11 +113,9 @@ def drafter_geometry(target: dict[str, Any]) -> dict[str, Any]:
 
 def _rope_problem(config: Qwen3Config) -> str | None:
     """Why the drafter's rotary embedding cannot be built from `config`, if it cannot."""
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-
     rope = config.rope_parameters
     try:
-        frequencies = Qwen3RotaryEmbedding(config).inv_freq.numel()
+        frequencies = rotary_embedding(config).inv_freq.numel()
     except (KeyError, ValueError, TypeError) as error:
         return f"the target's RoPE {rope} does not build a drafter rotary embedding ({error!r})"
     if 2 * frequencies != config.head_dim:

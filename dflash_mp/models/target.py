@@ -25,7 +25,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
 from dflash_mp.models import target_kernels
-from dflash_mp.models.tensor_parallel import check_divisible, layer_plan, parallel_degree, shard_layer
+
+
+def _tp() -> Any:
+    """dflash_mp.models.tensor_parallel, imported when a target is sharded: it loads torch's DTensor
+    (a second of CPU), which a one-rank target and every drafter rank do without."""
+    from dflash_mp.models import tensor_parallel
+
+    return tensor_parallel
+
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +100,7 @@ class TargetFeatureExtractor(nn.Module):
             text_config.layer_types = text_config.layer_types[:kept_layers]
         device = torch.device(device)
         if mesh is not None:
-            check_divisible(text_config, parallel_degree(mesh))
+            _tp().check_divisible(text_config, _tp().parallel_degree(mesh))
         # Loading straight onto an accelerator needs `accelerate`; without it, load on CPU and move.
         # A sharded target loads on CPU and goes to the device layer by layer, sharded.
         load_on_device = (
@@ -117,14 +125,14 @@ class TargetFeatureExtractor(nn.Module):
         if mesh is None:
             decoder.to(device)
         else:
-            _place_sharded(decoder, device, mesh, layer_plan(text_config))
+            _place_sharded(decoder, device, mesh, _tp().layer_plan(text_config))
         self._attach(decoder)
         log.info(
             "target %s: running layers 0..%d of %d%s",
             path,
             kept_layers - 1,
             self.num_target_layers,
-            f", tensor-parallel over {parallel_degree(mesh)} ranks" if mesh is not None else "",
+            f", tensor-parallel over {_tp().parallel_degree(mesh)} ranks" if mesh is not None else "",
         )
 
     def _attach(self, decoder: nn.Module) -> None:
@@ -159,7 +167,7 @@ class TargetFeatureExtractor(nn.Module):
         if getattr(text_config, "layer_types", None) is not None:
             text_config.layer_types = text_config.layer_types[:kept_layers]
         if mesh is not None:
-            check_divisible(text_config, parallel_degree(mesh))
+            _tp().check_divisible(text_config, _tp().parallel_degree(mesh))
         device = torch.device(device)
         # The skeleton on "meta" allocates nothing; the embedding, norm and rotary tables are
         # built for real (small), then each layer is materialised on `device`.
@@ -174,14 +182,14 @@ class TargetFeatureExtractor(nn.Module):
         for name, child in shell.named_children():
             if name != "layers":
                 setattr(decoder, name, child)
-        plan = layer_plan(text_config) if mesh is not None else None
+        plan = _tp().layer_plan(text_config) if mesh is not None else None
         for index, layer in enumerate(decoder.layers):
             layer.to_empty(device=device)
             with _seeded(device, seed * 100_003 + index + 1), torch.no_grad():
                 for module in layer.modules():
                     decoder._init_weights(module)
             if mesh is not None:
-                shard_layer(layer, plan, mesh)
+                _tp().shard_layer(layer, plan, mesh)
         left_on_meta = [n for n, t in [*decoder.named_parameters(), *decoder.named_buffers()] if t.is_meta]
         if left_on_meta:
             raise RuntimeError(
@@ -240,7 +248,7 @@ def _place_sharded(decoder: nn.Module, device: torch.device, mesh: DeviceMesh, p
         if name != "layers":
             child.to(device)
     for layer in decoder.layers:
-        shard_layer(layer.to(device), plan, mesh)
+        _tp().shard_layer(layer.to(device), plan, mesh)
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:

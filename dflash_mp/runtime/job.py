@@ -26,7 +26,6 @@ from dflash_mp.config.precision import resolve_precision
 from dflash_mp.config.schema import RootConfig, run_config
 from dflash_mp.data import Records, open_records
 from dflash_mp.evaluation.acceptance import AcceptanceEvaluator
-from dflash_mp.export.hf import export_drafter
 from dflash_mp.run import checkpoint
 from dflash_mp.run.logs import append_job_log, get_logger, setup_rank_logging
 from dflash_mp.run.metrics import MetricsLogger, StepTally
@@ -157,6 +156,8 @@ def finish(cfg: RootConfig, run_dir: Path, trainer: DrafterTrainer) -> None:
     plot_run(run_dir)
     if cfg.train.export:
         watchdog.beat("export", trainer.step)
+        from dflash_mp.export.hf import export_drafter  # transformers' modeling stack: only when exporting
+
         path = export_drafter(trainer.drafter, run_dir / "export")
         get_logger().info("exported the drafter to %s", path)
 
