@@ -29,8 +29,8 @@ On demand (`--sections setup,profile`): a torch.profiler breakdown of a drafter 
 This file is the runner (per-rank partial JSON, the watchdog, the exchange after every section);
 what the sections share (the rank's layout, job, config, resident models, fault injection) is
 bench/benchlib/state.py, the flags are bench/options.py, the layouts bench/layout.py, each section
-is a module of bench/sections/, the headline numbers and the table are bench/summary.py, the other
-helpers bench/benchlib/. Imports run one way: bench.py -> sections -> benchlib.
+is a module of bench/sections/, the headline numbers bench/summary.py and their table bench/table.py,
+the other helpers bench/benchlib/. Imports run one way: bench.py -> sections -> benchlib.
 
 Every section runs under try/except and a watchdog: an error is recorded in the JSON, a rank
 blocked on a failed or hung peer gives up after a timeout, and the JSON is rewritten after every
@@ -72,7 +72,8 @@ from benchlib.state import BenchState  # noqa: E402
 from layout import ROLES, Layout  # noqa: E402
 from options import default_out, layout_from_env, parse_args  # noqa: E402
 from sections import SECTIONS  # noqa: E402
-from summary import print_table, summarize  # noqa: E402
+from summary import summarize  # noqa: E402
+from table import print_table  # noqa: E402
 
 from dflash_mp.models.drafter import DFlashDrafter  # noqa: E402
 

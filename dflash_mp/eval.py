@@ -34,13 +34,8 @@ from dflash_mp.evaluation.acceptance import (
 )
 from dflash_mp.evaluation.benchmark_table import format_benchmark_table, plan_table, run_table
 from dflash_mp.evaluation.prompts import EvalError, held_out_prompt_files, load_prompts
-from dflash_mp.evaluation.served_acceptance import (
-    add_served_arguments,
-    measure_served,
-    print_served,
-    report_served_only,
-    served_summary,
-)
+from dflash_mp.evaluation.served_acceptance import add_served_arguments, measure_served
+from dflash_mp.evaluation.served_comparison import print_served, report_served_only, served_summary
 from dflash_mp.models.drafter import DFlashDrafter
 
 # The DFlash authors' evaluation decodes up to 2048 new tokens (github.com/z-lab/dflash, benchmark.py).

@@ -19,12 +19,8 @@ from omegaconf import OmegaConf
 from dflash_mp.embedded import embedded_path
 from dflash_mp.eval import main
 from dflash_mp.evaluation.prompts import prompt_records
-from dflash_mp.evaluation.served_acceptance import (
-    ServedAcceptance,
-    measure_served,
-    prometheus_samples,
-    served_summary,
-)
+from dflash_mp.evaluation.served_acceptance import ServedAcceptance, measure_served, prometheus_samples
+from dflash_mp.evaluation.served_comparison import served_summary
 from dflash_mp.export.hf import export_drafter
 from dflash_mp.training.trainer import build_drafter
 from tests.drafters import embedded_config
