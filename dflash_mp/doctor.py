@@ -82,6 +82,8 @@ def preflight(
             on_gpu = cfg.train.device != "cpu" and torch.cuda.is_available()
             checks.append(check_target_kernels(cfg.model.target_path, on_gpu, cfg.model.trust_remote_code))
         checks.append(check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite))
+        if checks[-1].ok and cfg.train.resume:
+            checks.append(check_resume(cfg, run_dir, nnodes * per_node if per_node else None))
         # A sample of the data through the real tokenizer and template, once they can be read.
         if all(c.ok for c in checks if c.name in ("imports", "config", "target")):
             checks += reading_checks(cfg)
@@ -284,6 +286,15 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> Check:
             "run_dir", True, f"warning: train.overwrite=true: {run_dir} is cleared before the job starts"
         )
     return Check("run_dir", True, f"{run_dir}: {'resume' if resume else 'fresh start'}")
+
+
+def check_resume(cfg: RootConfig, run_dir: Path, world_size: int | None) -> Check:
+    """A resume the first drafter would refuse (nothing left to train, the data order moved),
+    refused before any worker starts."""
+    from dflash_mp.runtime.resume import resume_problem
+
+    problem = resume_problem(cfg, Path(run_dir), world_size)
+    return Check("resume", problem is None, problem or "the checkpoints' settings allow this resume")
 
 
 def check_reaper() -> Check:

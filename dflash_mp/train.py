@@ -126,9 +126,11 @@ def _exit_early(code: int) -> NoReturn:
 def _preflight_under_plain_torchrun(cfg: RootConfig, run_dir: Path, job: Job) -> None:
     """Under plain torchrun (no launcher holds the run directory or ran the preflight), rank 0 takes
     the run directory's lock for the life of its process, refuses a fresh start over an earlier run
-    (or clears it with train.overwrite=true) and reads the data sample and the held-out prompts as
-    the launcher's preflight does; every rank exits with the reason, before any heavy work."""
+    (or clears it with train.overwrite=true), refuses a resume its checkpoints rule out and reads the
+    data sample and the held-out prompts as the launcher's preflight does; every rank exits with
+    the reason, before any heavy work."""
     from dflash_mp.runtime.distributed import broadcast_text
+    from dflash_mp.runtime.resume import resume_problem
 
     if os.environ.get(JOB_ID_ENV):  # the launcher's supervisor holds and checked it
         return
@@ -137,6 +139,8 @@ def _preflight_under_plain_torchrun(cfg: RootConfig, run_dir: Path, job: Job) ->
         try:
             lock_run_dir(run_dir)  # held until this process exits: the fd stays open
             problem = fresh_start_problem(run_dir, cfg.train.resume, cfg.train.overwrite) or ""
+            if not problem and cfg.train.resume:
+                problem = resume_problem(cfg, run_dir, job.topology.world_size) or ""
             if not problem:
                 bad = failed(reading_checks(cfg))
                 problem = "; ".join(f"{c.name}: {c.message}" for c in bad)

@@ -225,3 +225,60 @@ def test_checkpoint_files_are_as_readable_as_their_directory(tmp_path):
         "meta.json": 0o644,
     }
     assert path.stat().st_mode & 0o777 == 0o755
+
+
+def _layout(**changes) -> dict:
+    layout = dict(
+        version=1, micro_batch_index=40, micro_batch_size=8, seed=0, grad_accum=2, drafters=1, epochs=1
+    )
+    return layout | {"data": {"files": [], "records": 100}} | changes
+
+
+@pytest.mark.parametrize(
+    "overrides, refused",
+    [
+        (
+            ["train.max_steps=20"],
+            r"step_00000030: it is at step 30 and this job ends at step 20 .*nothing left",
+        ),
+        # The newest leaves nothing, the older would: the first drafter decides (the newest may be damaged).
+        (["train.max_steps=30"], None),
+        (["train.max_steps=100"], None),
+        (
+            ["train.max_steps=100", "train.grad_accum=1"],
+            r"train.grad_accum changed \(train.grad_accum=2, topology",
+        ),
+        (["train.max_steps=100", "train.grad_accum=1", "topology.drafters=2"], None),  # same per step
+        (["train.max_steps=100", "train.seed=1"], r"train.seed was 0 when it was saved and is 1 now"),
+        (["train.max_steps=100", "train.resume=false"], None),
+    ],
+)
+def test_the_preflight_refuses_what_the_first_drafter_would_from_meta_json_alone(
+    tmp_path, overrides, refused
+):
+    """The launcher's and plain torchrun's preflight (doctor.check_resume) read only meta.json: a
+    resume with nothing left to train, or one that moves the data, fails before any worker starts."""
+    from dflash_mp import doctor
+    from dflash_mp.config.schema import compose_config, to_dataclass
+
+    for step in (20, 30):  # the resume may fall back to the older: refused only if both leave nothing
+        checkpoint.save(tmp_path / "checkpoints", _state(step), keep=3, data_layout=_layout())
+    base = [
+        "train.resume=true",
+        "topology=1t1d",
+        "train.micro_batch_size=8",
+        "train.grad_accum=2",
+        "train.epochs=1",
+    ]
+    cfg = to_dataclass(compose_config([*base, *overrides]))
+    check = doctor.check_resume(cfg, tmp_path, world_size=2)
+    if refused is None:
+        assert check.ok, check.message
+    else:
+        assert not check.ok and re_search(refused, check.message), check.message
+
+
+def re_search(pattern: str, text: str) -> bool:
+    import re
+
+    return re.search(pattern, text) is not None

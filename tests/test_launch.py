@@ -356,6 +356,14 @@ def test_a_fresh_start_in_a_used_run_dir_is_refused_before_any_worker_works(tmp_
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000002"]
     log = (run / "logs" / "job.log").read_text()
     assert "holds an earlier run" in log and "train.overwrite=true: removed the earlier run's" in log
+    # A resume with nothing left to train is refused from the checkpoint's meta.json, before any worker.
+    resumed = subprocess.run(
+        [sys.executable, *command, *job, "train.resume=true", "train.max_steps=2"],
+        cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert resumed.returncode == outcome.EXIT_PREFLIGHT, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resume: cannot resume from" in resumed.stderr and "nothing left to train" in resumed.stderr
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
 
 
 @pytest.mark.parametrize("name", ["x.jsonl", "x.parquet"])

@@ -38,6 +38,7 @@ def test_resume_refuses_a_changed_data_order_and_allows_a_new_split(tmp_path):
     assert refused.returncode != 0
     job_log = (run / "logs" / "job.log").read_text()
     assert "train.grad_accum changed (train.grad_accum=2, topology.drafters=1 when it was saved" in job_log
+    assert "preflight failed, no worker was started" in job_log  # known from meta.json alone
     assert [r["step"] for r in read_metrics(run)] == [1, 2]  # nothing trained on the wrong data
 
     # More targets, two drafters taking one micro-batch each instead of one taking two, another

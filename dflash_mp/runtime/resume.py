@@ -74,19 +74,16 @@ def _refuse(field: str, old: Any, new: Any, checkpoint: str) -> ResumeRefused:
     )
 
 
-def check_layout(saved: dict | None, current: dict, checkpoint: str) -> list[str]:
-    """Raise ResumeRefused if `current` would read the data otherwise than `saved` continues.
-
-    Returns notes on allowed changes for the log. `saved` None (a checkpoint older than the
-    layout record) cannot be checked: a note says so.
-    """
-    if saved is None:
-        return [f"{checkpoint} records no data layout (an older checkpoint): the data order is not checked"]
+def check_settings(saved: dict, current: dict, checkpoint: str) -> list[str]:
+    """check_layout's part that needs only the config (no data read): seed, micro-batch size,
+    epochs and micro-batches per step. `current["drafters"]` None (not known yet) skips the last."""
     for key in ("micro_batch_size", "seed", "epochs"):
         if saved[key] != current[key]:
             raise _refuse(_SETTING[key], saved[key], current[key], checkpoint)
-    notes = []
+    notes: list[str] = []
     per_step = ("grad_accum", "drafters")
+    if current["drafters"] is None:
+        return notes
     if saved["grad_accum"] * saved["drafters"] != current["grad_accum"] * current["drafters"]:
         changed = [k for k in per_step if saved[k] != current[k]]
         names = " and ".join(_SETTING[k] for k in changed)
@@ -103,6 +100,18 @@ def check_layout(saved: dict | None, current: dict, checkpoint: str) -> list[str
             f"grad_accum x drafters changed from {saved['grad_accum']} x {saved['drafters']} to "
             f"{current['grad_accum']} x {current['drafters']}: same micro-batches per step, same data order"
         )
+    return notes
+
+
+def check_layout(saved: dict | None, current: dict, checkpoint: str) -> list[str]:
+    """Raise ResumeRefused if `current` would read the data otherwise than `saved` continues.
+
+    Returns notes on allowed changes for the log. `saved` None (a checkpoint older than the
+    layout record) cannot be checked: a note says so.
+    """
+    if saved is None:
+        return [f"{checkpoint} records no data layout (an older checkpoint): the data order is not checked"]
+    notes = check_settings(saved, current, checkpoint)
     old_data, new_data = saved["data"], current["data"]
     if old_data["records"] != new_data["records"]:
         raise _refuse(
@@ -161,17 +170,52 @@ def resume_step(
         return 0, None
     meta = checkpoint.read_meta(path)
     if int(meta["step"]) >= steps:
-        raise ResumeRefused(
-            f"cannot resume from {path}: it is at step {meta['step']} and this job ends at step {steps} "
-            f"(train.max_steps={cfg.train.max_steps}), so there is nothing left to train. Raise "
-            f"train.max_steps above {meta['step']} (or -1 for train.epochs), or start a new run "
-            "(another run_dir, train.resume=false)"
-        )
+        raise ResumeRefused(_nothing_left(path, int(meta["step"]), steps, cfg.train.max_steps))
     for note in check_layout(meta.get("data_layout"), layout_at(int(meta["step"])), str(path)):
         log.warning("resume: %s", note)
     state = checkpoint.load(path)
     log.info("resuming from %s (step %d)", path, state.step)
     return state.step, state
+
+
+def _nothing_left(path: Path, step: int, steps: int, max_steps: int) -> str:
+    return (
+        f"cannot resume from {path}: it is at step {step} and this job ends at step {steps} "
+        f"(train.max_steps={max_steps}), so there is nothing left to train. Raise "
+        f"train.max_steps above {step} (or -1 for train.epochs), or start a new run "
+        "(another run_dir, train.resume=false)"
+    )
+
+
+def resume_problem(cfg: RootConfig, run_dir: Path, world_size: int | None) -> str | None:
+    """What the first drafter would refuse, known before any worker starts from the checkpoints'
+    meta.json alone (no weights or data read): no step left to train before train.max_steps, or a
+    setting that moves the data. The first drafter still checks all of it (the data files too)."""
+    found = checkpoint.complete_checkpoints(run_dir / "checkpoints") if cfg.train.resume else []
+    if not found:
+        return None
+    # Whichever checkpoint the resume picks (the newest intact) is at least as far as the oldest.
+    oldest = found[0]
+    if cfg.train.max_steps > 0 and int(checkpoint.read_meta(oldest)["step"]) >= cfg.train.max_steps:
+        newest = found[-1]
+        step = int(checkpoint.read_meta(newest)["step"])
+        return _nothing_left(newest, step, cfg.train.max_steps, cfg.train.max_steps)
+    saved = checkpoint.read_meta(found[-1]).get("data_layout")
+    if saved is None:
+        return None
+    drafters = cfg.topology.drafters if cfg.topology.drafters is not None else world_size
+    current = {
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "seed": cfg.train.seed,
+        "epochs": cfg.train.epochs,
+        "grad_accum": cfg.train.grad_accum,
+        "drafters": drafters,
+    }
+    try:
+        check_settings(saved, current, str(found[-1]))
+    except ResumeRefused as refused:
+        return str(refused)
+    return None
 
 
 def load_resume_state(run_dir: Path, step: int) -> checkpoint.TrainingState:
