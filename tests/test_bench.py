@@ -306,3 +306,25 @@ def test_profile_section_reports_device_time_by_phase(tmp_path: Path) -> None:
     assert 0 < len(profile["top_kernels"]) <= 15
     assert result["summary"]["profile"]["phases_ms_per_step"] == phases
     assert "profile: drafter step" in proc.stdout and "top kernels by device time" in proc.stdout
+
+
+def test_the_benchmarks_device_initialised_drafter_starts_as_training_does() -> None:
+    """DeviceInitDrafter (bench/benchlib/synthetic.py) draws its own random stream but must leave
+    what training leaves: every norm at 1, whatever class the drafter's norms are."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from benchlib.synthetic import DeviceInitDrafter
+
+    from dflash_mp.models.drafter_config import build_drafter_config
+
+    target = Qwen3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=300,
+    )  # fmt: skip
+    drafter = DeviceInitDrafter(build_drafter_config(target, 2, [1, 3], block_size=4, mask_token_id=299))
+    norms = [m for m in drafter.modules() if m.__class__.__name__.endswith("RMSNorm")]
+    assert len(norms) == 2 * 4 + 2  # per layer: input, post-attention, q and k; the final and hidden norms
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.fill_(3.0)
+    drafter.init_weights(torch.Generator())
+    assert all(torch.equal(norm.weight, torch.ones_like(norm.weight)) for norm in norms)

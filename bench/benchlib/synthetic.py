@@ -94,7 +94,7 @@ class DeviceInitDrafter(DFlashDrafter):
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+        from dflash_mp.models.qwen3_layers import RMSNorm
 
         std = self.config.initializer_range
         for module in self.modules():
@@ -102,7 +102,7 @@ class DeviceInitDrafter(DFlashDrafter):
                 module.weight.normal_(0.0, std)
                 if module.bias is not None:
                     module.bias.zero_()
-            elif isinstance(module, Qwen3RMSNorm):
+            elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
         # DFlash 2: the convolutions start as the identity, the selector as a no-op (as in training).
         for module in self.modules():
