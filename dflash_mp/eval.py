@@ -38,6 +38,8 @@ from dflash_mp.evaluation.served_acceptance import add_served_arguments, measure
 from dflash_mp.evaluation.served_comparison import print_served, report_served_only, served_summary
 from dflash_mp.models.drafter import DFlashDrafter
 
+# --server: served and local tau differ by more than --tolerance (the JSON and the report are written).
+EXIT_SERVED_DISAGREES = 1
 # The DFlash authors' evaluation decodes up to 2048 new tokens (github.com/z-lab/dflash, benchmark.py).
 BENCHMARK_MAX_NEW_TOKENS = 2048
 
@@ -225,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if served is not None:
         print_served(result["served"])
     print(f"wrote {out}")
+    if served is not None and result["served"].get("agrees") is False:
+        return EXIT_SERVED_DISAGREES  # a check that failed: scripts and CI must see it
     return 0
 
 

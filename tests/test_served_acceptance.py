@@ -301,9 +301,10 @@ def test_served_beside_local_tau_warns_only_when_they_differ(
     assert f"local tau                            {local['tau']:.3f}" in captured.out
     assert "WARNING" not in captured.err and "check:" not in captured.out
 
-    # Every round accepting the whole block, prompts two tokens longer: warned, with the causes.
+    # Every round accepting the whole block, prompts two tokens longer: warned, with the causes,
+    # and a failed check (exit 1) once the JSON and the report are written.
     differing = serve("sglang", [[BLOCK_SIZE - 1] * 3], prompt_tokens=[n + 2 for n in lengths])
-    assert main([str(export), *common, "--server", differing.url, "--out", str(tmp_path / "d.json")]) == 0
+    assert main([str(export), *common, "--server", differing.url, "--out", str(tmp_path / "d.json")]) == 1
     captured = capsys.readouterr()
     entry = json.loads((tmp_path / "d.json").read_text())["served"]
     assert entry["tau"] == BLOCK_SIZE and entry["agrees"] is False

@@ -59,7 +59,10 @@ def add_served_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", default="auto", choices=("auto", "vllm", "sglang"))
     parser.add_argument("--served-model", help="served model name (default: the only one the server lists)")
     parser.add_argument(
-        "--tolerance", type=float, default=DEFAULT_TOLERANCE, help="|served/local tau - 1| that warns"
+        "--tolerance",
+        type=float,
+        default=DEFAULT_TOLERANCE,
+        help="|served/local tau - 1| above which the check fails (exit 1)",
     )
     parser.add_argument("--served-only", action="store_true", help="with --server: skip the local evaluation")
 
