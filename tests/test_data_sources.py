@@ -149,6 +149,28 @@ def test_mixed_inputs_chain_in_order(tmp_path: Path) -> None:
     assert records.paths == [str(tmp_path / name) for name in ("a.jsonl", "b.parquet", "c.jsonl")]
 
 
+def test_a_new_version_of_a_parquet_file_replaces_its_cached_copy(tmp_path: Path) -> None:
+    """The Arrow cache keeps one copy per Parquet file: converting a changed file removes the copy
+    of its earlier version (a job still mapping it keeps reading it), not another file's copy."""
+    from dflash_mp.data.sources import parquet_as_arrow
+
+    lines = [json.dumps({"text": f"record {i}"}) for i in range(4)]
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    pq.write_table(_table(lines[:2]), tmp_path / "a" / "data.parquet")
+    pq.write_table(_table(lines[:3]), tmp_path / "b" / "data.parquet")  # same name, other file
+    first, other = (
+        parquet_as_arrow(str(tmp_path / "a" / "data.parquet")),
+        parquet_as_arrow(str(tmp_path / "b" / "data.parquet")),
+    )
+    mapped = pa.ipc.open_file(pa.memory_map(str(first))).read_all()  # a job reading the old copy
+    pq.write_table(_table(lines), tmp_path / "a" / "data.parquet")  # the file changes
+    second = parquet_as_arrow(str(tmp_path / "a" / "data.parquet"))
+    assert second != first and not first.exists() and second.is_file() and other.is_file()
+    assert sorted(p.name for p in first.parent.glob("*.arrow")) == sorted([second.name, other.name])
+    assert not (first.parent / f".{first.name}.lock").exists()
+    assert mapped.num_rows == 2 and open_records([str(tmp_path / "a" / "data.parquet")]).read(3)[1] == 4
+
+
 def test_inputs_that_cannot_be_read_are_named_with_the_fix(tmp_path: Path) -> None:
     import datasets
 

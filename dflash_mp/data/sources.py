@@ -5,13 +5,15 @@ row becomes the object of its columns), so parsing, bad records and the prefligh
 for every format. Tables are memory-mapped Arrow: a rank touches only the pages of the rows it
 reads. Parquet is compressed per column chunk and cannot be read one row at a time, so a Parquet
 file is first converted, batch by batch, into an Arrow file in the cache ($DFLASH_MP_CACHE/arrow,
-keyed by the file's path, size and modification time) that every later read maps.
+keyed by the file's path, size and modification time) that every later read maps; converting a
+new version of a file removes the copies of its earlier versions.
 """
 
 from __future__ import annotations
 
 import bisect
 import fcntl
+import glob
 import hashlib
 import itertools
 import json
@@ -193,9 +195,9 @@ def parquet_as_arrow(spec: str) -> Path:
     import pyarrow.parquet as pq
 
     stat = os.stat(spec)
-    key = f"{os.path.abspath(spec)}:{stat.st_size}:{stat.st_mtime_ns}:{CACHE_VERSION}"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
-    final = cache_dir() / "arrow" / f"{Path(spec).stem}-{digest}.arrow"
+    source = hashlib.sha256(os.path.abspath(spec).encode()).hexdigest()[:12]
+    version = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}:{CACHE_VERSION}".encode()).hexdigest()[:12]
+    final = cache_dir() / "arrow" / f"{Path(spec).stem}-{source}-{version}.arrow"
     if final.is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -213,12 +215,23 @@ def parquet_as_arrow(spec: str) -> Path:
                     writer.write_batch(batch)
             os.chmod(tmp, 0o644)  # a shared cache must be readable by all
             os.replace(tmp, final)
+            _drop_superseded(final, f"{Path(spec).stem}-{source}-")
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{spec}: not a readable Parquet file ({e})") from None
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return final
+
+
+def _drop_superseded(final: Path, prefix: str) -> None:
+    """Remove the cached copies of earlier versions of the same Parquet file (another size or
+    modification time), which would otherwise pile up in the cache. A job still reading one keeps
+    its memory map: the file's data lives until the last map of it goes."""
+    for old in final.parent.glob(f"{glob.escape(prefix)}*.arrow"):
+        if old != final:
+            old.unlink(missing_ok=True)
+            (old.parent / f".{old.name}.lock").unlink(missing_ok=True)
 
 
 def _saved_dataset(directory: Path) -> TableRecords:
