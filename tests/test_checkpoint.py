@@ -282,3 +282,27 @@ def re_search(pattern: str, text: str) -> bool:
     import re
 
     return re.search(pattern, text) is not None
+
+
+def test_the_preflight_counts_only_checkpoints_the_first_drafter_could_resume_from(tmp_path):
+    """A checkpoint whose meta.json is unreadable is one the first drafter skips (it falls back to
+    the newest intact one): the preflight judges the steps of the others, and does not fail on it."""
+    from dflash_mp import doctor
+    from dflash_mp.config.schema import compose_config, to_dataclass
+
+    for step in (20, 30):
+        checkpoint.save(tmp_path / "checkpoints", _state(step), keep=3, data_layout=_layout())
+    (tmp_path / "checkpoints" / "step_00000030" / "meta.json").write_text("{")
+    base = [
+        "train.resume=true",
+        "topology=1t1d",
+        "train.micro_batch_size=8",
+        "train.grad_accum=2",
+        "train.epochs=1",
+    ]
+    fits = to_dataclass(compose_config([*base, "train.max_steps=25"]))
+    assert doctor.check_resume(fits, tmp_path, world_size=2).ok
+    done = doctor.check_resume(
+        to_dataclass(compose_config([*base, "train.max_steps=20"])), tmp_path, world_size=2
+    )
+    assert not done.ok and "step_00000020: it is at step 20" in done.message

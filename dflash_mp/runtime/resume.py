@@ -194,14 +194,14 @@ def resume_problem(cfg: RootConfig, run_dir: Path, world_size: int | None) -> st
     found = checkpoint.complete_checkpoints(run_dir / "checkpoints") if cfg.train.resume else []
     if not found:
         return None
+    oldest, newest = _readable_meta(found[0]), _readable_meta(found[-1])
+    if oldest is None or newest is None:  # damaged: the first drafter verifies and falls back
+        return None
     # Whichever checkpoint the resume picks (the newest intact) is at least as far as the oldest.
-    oldest = found[0]
-    if cfg.train.max_steps > 0 and int(checkpoint.read_meta(oldest)["step"]) >= cfg.train.max_steps:
-        newest = found[-1]
-        step = int(checkpoint.read_meta(newest)["step"])
-        return _nothing_left(newest, step, cfg.train.max_steps, cfg.train.max_steps)
-    saved = checkpoint.read_meta(found[-1]).get("data_layout")
-    if saved is None:
+    if cfg.train.max_steps > 0 and int(oldest["step"]) >= cfg.train.max_steps:
+        return _nothing_left(found[-1], int(newest["step"]), cfg.train.max_steps, cfg.train.max_steps)
+    saved = newest.get("data_layout")
+    if not isinstance(saved, dict):
         return None
     drafters = cfg.topology.drafters if cfg.topology.drafters is not None else world_size
     current = {
@@ -216,6 +216,15 @@ def resume_problem(cfg: RootConfig, run_dir: Path, world_size: int | None) -> st
     except ResumeRefused as refused:
         return str(refused)
     return None
+
+
+def _readable_meta(path: Path) -> dict | None:
+    try:
+        meta = checkpoint.read_meta(path)
+        int(meta["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return meta
 
 
 def load_resume_state(run_dir: Path, step: int) -> checkpoint.TrainingState:
