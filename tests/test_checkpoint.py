@@ -1,6 +1,7 @@
 """Checkpoints are atomic: a crash mid-save leaves the previous one as the newest complete."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -258,41 +259,36 @@ def test_the_preflight_refuses_what_the_first_drafter_would_from_meta_json_alone
 ):
     """The launcher's and plain torchrun's preflight (doctor.check_resume) read only meta.json: a
     resume with nothing left to train, or one that moves the data, fails before any worker starts."""
-    from dflash_mp import doctor
-    from dflash_mp.config.schema import compose_config, to_dataclass
-
-    for step in (20, 30):  # the resume may fall back to the older: refused only if both leave nothing
-        checkpoint.save(tmp_path / "checkpoints", _state(step), keep=3, data_layout=_layout())
-    base = [
-        "train.resume=true",
-        "topology=1t1d",
-        "train.micro_batch_size=8",
-        "train.grad_accum=2",
-        "train.epochs=1",
-    ]
-    cfg = to_dataclass(compose_config([*base, *overrides]))
-    check = doctor.check_resume(cfg, tmp_path, world_size=2)
+    _save_steps_20_and_30(
+        tmp_path
+    )  # the resume may fall back to the older: refused only if both leave nothing
+    check = _check_resume(tmp_path, *overrides)
     if refused is None:
         assert check.ok, check.message
     else:
-        assert not check.ok and re_search(refused, check.message), check.message
-
-
-def re_search(pattern: str, text: str) -> bool:
-    import re
-
-    return re.search(pattern, text) is not None
+        assert not check.ok and re.search(refused, check.message), check.message
 
 
 def test_the_preflight_counts_only_checkpoints_the_first_drafter_could_resume_from(tmp_path):
     """A checkpoint whose meta.json is unreadable is one the first drafter skips (it falls back to
     the newest intact one): the preflight judges the steps of the others, and does not fail on it."""
+    _save_steps_20_and_30(tmp_path)
+    (tmp_path / "checkpoints" / "step_00000030" / "meta.json").write_text("{")
+    assert _check_resume(tmp_path, "train.max_steps=25").ok
+    done = _check_resume(tmp_path, "train.max_steps=20")
+    assert not done.ok and "step_00000020: it is at step 20" in done.message
+
+
+def _save_steps_20_and_30(run_dir: Path) -> None:
+    for step in (20, 30):
+        checkpoint.save(run_dir / "checkpoints", _state(step), keep=3, data_layout=_layout())
+
+
+def _check_resume(run_dir: Path, *overrides: str):
+    """doctor.check_resume of a 1t1d resume whose other settings match _layout()."""
     from dflash_mp import doctor
     from dflash_mp.config.schema import compose_config, to_dataclass
 
-    for step in (20, 30):
-        checkpoint.save(tmp_path / "checkpoints", _state(step), keep=3, data_layout=_layout())
-    (tmp_path / "checkpoints" / "step_00000030" / "meta.json").write_text("{")
     base = [
         "train.resume=true",
         "topology=1t1d",
@@ -300,9 +296,4 @@ def test_the_preflight_counts_only_checkpoints_the_first_drafter_could_resume_fr
         "train.grad_accum=2",
         "train.epochs=1",
     ]
-    fits = to_dataclass(compose_config([*base, "train.max_steps=25"]))
-    assert doctor.check_resume(fits, tmp_path, world_size=2).ok
-    done = doctor.check_resume(
-        to_dataclass(compose_config([*base, "train.max_steps=20"])), tmp_path, world_size=2
-    )
-    assert not done.ok and "step_00000020: it is at step 20" in done.message
+    return doctor.check_resume(to_dataclass(compose_config([*base, *overrides])), run_dir, world_size=2)
