@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -571,6 +572,25 @@ def test_stop_and_status_work_from_the_run_dir_when_the_supervisor_is_gone(tmp_p
         left.wait()
 
 
+def assert_ranks_forked_from_the_agent(run_dir) -> None:
+    """The launcher's agent (dflash_mp.launch.agent) forks every rank after its imports: each rank is
+    the agent's child, runs the agent's command line (no fresh interpreter) and, as under torchrun,
+    leads its own session."""
+    from dflash_mp.runtime.watchdog import read_heartbeats
+
+    agent = outcome.read_job_state(run_dir)["agent_pid"]
+    agent_cmdline = processes.cmdline(agent)
+    assert b"dflash_mp.launch.agent" in agent_cmdline, agent_cmdline
+    for rank, beat in read_heartbeats(run_dir).items():
+        pid = beat["pid"]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ppid, session = int(fields[1]), int(fields[3])
+        assert (ppid, session) == (agent, pid), f"rank {rank}: parent {ppid}, session {session}"
+        assert processes.cmdline(pid) == agent_cmdline, (
+            f"rank {rank} was not forked: {processes.cmdline(pid)}"
+        )
+
+
 @pytest.mark.slow
 def test_killing_the_launcher_ends_the_whole_job(tmp_path, adopt_orphans):
     """kill -9 of `python -m dflash_mp.launch run`: its torchrun agent gets the stop it would get
@@ -584,6 +604,7 @@ def test_killing_the_launcher_ends_the_whole_job(tmp_path, adopt_orphans):
     )
     try:
         job.wait_for_step(2)
+        assert_ranks_forked_from_the_agent(job.run_dir)
         job_id = outcome.read_job_state(job.run_dir)["job_id"]
         os.kill(job.proc.pid, signal.SIGKILL)
         job.proc.wait()

@@ -1,0 +1,106 @@
+"""The launcher's torchrun agent: torchrun's own agent (options, rendezvous, signals, error files),
+with the ranks forked from it once it has imported what every rank imports.
+
+A rank started as a fresh interpreter spends its first seconds importing torch, torch._dynamo,
+transformers' modeling stack and Hydra (about 5 CPU-seconds on a 2-core CI machine, the same on
+every rank of every job) before any work. Here the agent imports them once and torchrun starts the
+ranks with the `fork` start method, so each rank begins with them loaded. Each rank is still its own
+process with its own session, torchrun's environment, signals and error file; what differs from a
+fresh interpreter is put back in `_rank_main` (signal handlers, exit handlers, thread count).
+
+Forking is only safe before CUDA is initialised: if anything imported here initialised it, the
+ranks start as fresh interpreters (torchrun's `spawn`), and so they do with
+DFLASH_MP_RANK_START=spawn. Plain `torchrun -m dflash_mp.train` is unchanged: fresh interpreters.
+
+Usage (the supervisor builds it): python -m dflash_mp.launch.agent <torchrun options> -m dflash_mp.train <overrides>
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import uuid
+
+RANK_START_ENV = "DFLASH_MP_RANK_START"
+TRAIN_MODULE = "dflash_mp.train"
+# Handlers the agent installs for itself (torchrun's shutdown on a signal); a rank starts with
+# Python's defaults and installs its own (dflash_mp.runtime.watchdog).
+_RESET_SIGNALS = (
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGCHLD,
+)
+
+
+def _preimport() -> None:
+    """What every rank imports before its first step (the targets' modeling stack, the drafters'
+    optimizer, which imports torch._dynamo); a module imported here costs a rank nothing."""
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.optim  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+
+    import dflash_mp.runtime.job  # noqa: F401
+    import dflash_mp.train  # noqa: F401
+
+
+def start_method() -> str:
+    """`fork` unless asked otherwise or CUDA is already initialised in this process."""
+    import torch
+
+    if os.environ.get(RANK_START_ENV, "fork") == "spawn":
+        return "spawn"
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
+def _rank_main(*overrides: str) -> None:
+    """One rank, as `python -m dflash_mp.train <overrides>` would run it under torchrun."""
+    import torch
+
+    from dflash_mp import train
+
+    os.setsid()  # torchrun gives every rank its own session
+    for sig in _RESET_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit():  # read once at torch's import in a fresh interpreter
+        torch.set_num_threads(int(threads))
+    atexit._clear()  # the agent's exit handlers are not this rank's
+    sys.argv = [sys.argv[0], *overrides]
+    try:
+        train.main()  # Hydra reads the overrides from sys.argv
+    except KeyboardInterrupt:
+        # A fresh interpreter ends on an uncaught Ctrl-C by SIGINT; multiprocessing would exit 0.
+        atexit._run_exitfuncs()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        atexit._run_exitfuncs()  # a forked child ends with os._exit, which skips them
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed import run as torchrun
+    from torch.distributed.launcher.api import elastic_launch
+
+    args = torchrun.parse_args(argv)
+    if not (args.module and args.training_script == TRAIN_MODULE and args.standalone):
+        sys.exit(f"dflash_mp.launch.agent runs `--standalone ... -m {TRAIN_MODULE}` jobs only")
+    # What torchrun's --standalone means: a c10d rendezvous on a free local port.
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    _preimport()
+    config, _, _ = torchrun.config_from_args(args)
+    config.start_method = start_method()
+    elastic_launch(config=config, entrypoint=_rank_main)(*args.training_script_args)
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)()

@@ -1,0 +1,107 @@
+"""The launcher's agent forks the ranks after its imports (dflash_mp.launch.agent); a forked rank must
+end like a fresh interpreter would. The process facts of a live job: test_launch's
+assert_ranks_forked_from_the_agent."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from dflash_mp.launch import agent
+from tests.conftest import REPO, job_env
+
+RANK_EXIT = """
+import atexit, os, sys
+from pathlib import Path
+from dflash_mp import train
+from dflash_mp.launch import agent
+
+out = Path(sys.argv[1])
+atexit.register(lambda: (out / "agent-exit-handler-ran").touch())  # the agent's, not the rank's
+
+def rank():
+    atexit.register(lambda: (out / "rank-exit-handler-ran").touch())
+    (out / "session").write_text(f"{os.getsid(0)} {os.getpid()} {sys.argv[1:]}")
+    if sys.argv[1] == "interrupt":
+        raise KeyboardInterrupt
+    sys.exit(int(sys.argv[1]))
+
+train.main = rank
+pid = os.fork()  # as torchrun's fork start method does; the child then runs the rank
+if pid == 0:
+    code = 0
+    try:
+        agent._rank_main(sys.argv[2])
+    except SystemExit as e:  # what multiprocessing's child bootstrap does, then os._exit
+        code = e.code
+    finally:
+        os._exit(code)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status))
+os._exit(0)
+"""
+
+
+def _run_forked_rank(tmp_path, how: str) -> tuple[int, str]:
+    proc = subprocess.run(
+        [sys.executable, "-c", RANK_EXIT, str(tmp_path), how],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.split()[-1]), (tmp_path / "session").read_text()
+
+
+def test_a_forked_rank_ends_as_a_fresh_interpreter_would(tmp_path):
+    """Its own exit handlers run and the agent's do not; it leads its own session; an uncaught
+    Ctrl-C ends it by SIGINT (multiprocessing alone would report exit 0); sys.exit codes pass."""
+    code, session = _run_forked_rank(tmp_path, "interrupt")
+    assert code == -signal.SIGINT
+    sid, pid, argv = session.split(" ", 2)
+    assert sid == pid and argv == "['interrupt']"
+    assert (tmp_path / "rank-exit-handler-ran").exists()
+    assert not (tmp_path / "agent-exit-handler-ran").exists()
+    (tmp_path / "rank-exit-handler-ran").unlink()
+    code, _ = _run_forked_rank(tmp_path, "3")
+    assert code == 3 and (tmp_path / "rank-exit-handler-ran").exists()
+
+
+def test_ranks_start_as_fresh_interpreters_when_asked(tmp_path, monkeypatch):
+    """DFLASH_MP_RANK_START=spawn (and CUDA already initialised in the agent) starts every rank as
+    a fresh interpreter; the job trains as with forked ranks."""
+    monkeypatch.setenv(agent.RANK_START_ENV, "spawn")
+    assert agent.start_method() == "spawn"
+    monkeypatch.delenv(agent.RANK_START_ENV)
+    assert agent.start_method() == "fork"  # this CPU-only process never initialised CUDA
+    run = tmp_path / "spawned"
+    env = {**job_env(), agent.RANK_START_ENV: "spawn"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_mp.train",
+        f"run_dir={run}",
+        "train.max_steps=2",
+        "eval.every=0",
+        "train.export=false",
+        "topology.targets=1",
+        "topology.drafters=1",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "job succeeded" in (run / "logs" / "job.log").read_text()
+
+
+def test_the_agent_refuses_a_job_it_was_not_built_for():
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_mp.launch.agent", "--nproc-per-node=1", "-m", "other.module"],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "runs `--standalone ... -m dflash_mp.train` jobs only" in proc.stderr
