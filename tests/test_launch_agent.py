@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from dflash_mp.launch import agent
 from tests.conftest import REPO, job_env
 
@@ -92,7 +94,34 @@ def test_ranks_start_as_fresh_interpreters_when_asked(tmp_path, monkeypatch):
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "job succeeded" in (run / "logs" / "job.log").read_text()
+    log = (run / "logs" / "job.log").read_text()
+    assert "job succeeded" in log and "starting 2 rank(s) as fresh interpreters" in log
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_rank_forked_by_the_agent_trains_on_the_gpu(tmp_path):
+    """The agent imports torch, dynamo and transformers without initialising CUDA, so its ranks are
+    forked and then use the GPU: a colocated job (one rank per visible GPU) trains and compiles."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    run = tmp_path / "gpu"
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_mp.train",
+        f"run_dir={run}",
+        "topology=colocated",
+        "train.max_steps=3",
+        "eval.every=0",
+        "train.export=false",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=600)
+    log = (run / "logs" / "job.log").read_text()
+    assert proc.returncode == 0, log[-5000:]
+    assert "rank(s) forked from this agent" in log and "job succeeded" in log, log[-5000:]
 
 
 def test_the_agent_refuses_a_job_it_was_not_built_for():

@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     _preimport()
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = start_method()
+    how = "forked from this agent" if config.start_method == "fork" else "as fresh interpreters"
+    print(f"dflash_mp agent: starting {args.nproc_per_node} rank(s) {how}", file=sys.stderr, flush=True)
     elastic_launch(config=config, entrypoint=_rank_main)(*args.training_script_args)
 
 
