@@ -73,14 +73,14 @@ def test_a_forked_rank_ends_as_a_fresh_interpreter_would(tmp_path):
 
 
 def test_ranks_start_as_fresh_interpreters_when_asked(tmp_path, monkeypatch):
-    """DFLASH_MP_RANK_START=spawn (and CUDA already initialised in the agent) starts every rank as
-    a fresh interpreter; the job trains as with forked ranks."""
-    monkeypatch.setenv(agent.RANK_START_ENV, "spawn")
-    assert agent.start_method() == "spawn"
+    """DFLASH_MP_RANK_START=fresh (and any visible GPU) makes the agent plain torchrun: every rank a
+    fresh interpreter; the job trains as with forked ranks."""
+    monkeypatch.setenv(agent.RANK_START_ENV, "fresh")
+    assert agent.start_method() == "fresh"
     monkeypatch.delenv(agent.RANK_START_ENV)
-    assert agent.start_method() == "fork"  # this CPU-only process never initialised CUDA
-    run = tmp_path / "spawned"
-    env = {**job_env(), agent.RANK_START_ENV: "spawn"}
+    assert agent.start_method() == "fork"  # no GPU here
+    run = tmp_path / "fresh"
+    env = {**job_env(), agent.RANK_START_ENV: "fresh"}
     cmd = [
         sys.executable,
         "-m",
@@ -100,9 +100,10 @@ def test_ranks_start_as_fresh_interpreters_when_asked(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_a_rank_forked_by_the_agent_trains_on_the_gpu(tmp_path):
-    """The agent imports torch, dynamo and transformers without initialising CUDA, so its ranks are
-    forked and then use the GPU: a colocated job (one rank per visible GPU) trains and compiles."""
+def test_with_a_gpu_visible_the_ranks_start_as_fresh_interpreters_and_train(tmp_path):
+    """Forked ranks could not use CUDA (torch's agent may initialise it before it forks: seen on an
+    H200), so with a GPU visible the agent is plain torchrun; a colocated job (one rank per visible
+    GPU) trains and compiles on the GPU."""
     import torch
 
     if not torch.cuda.is_available():
@@ -121,7 +122,7 @@ def test_a_rank_forked_by_the_agent_trains_on_the_gpu(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=600)
     log = (run / "logs" / "job.log").read_text()
     assert proc.returncode == 0, log[-5000:]
-    assert "rank(s) forked from this agent" in log and "job succeeded" in log, log[-5000:]
+    assert "rank(s) as fresh interpreters" in log and "job succeeded" in log, log[-5000:]
 
 
 def test_the_agent_refuses_a_job_it_was_not_built_for():

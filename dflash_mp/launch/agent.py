@@ -1,16 +1,19 @@
 """The launcher's torchrun agent: torchrun's own agent (options, rendezvous, signals, error files),
-with the ranks forked from it once it has imported what every rank imports.
+forking the ranks of a CPU job from itself once it has imported what every rank imports.
 
 A rank started as a fresh interpreter spends its first seconds importing torch, torch._dynamo,
-transformers' modeling stack and Hydra (about 5 CPU-seconds on a 2-core CI machine, the same on
-every rank of every job) before any work. Here the agent imports them once and torchrun starts the
-ranks with the `fork` start method, so each rank begins with them loaded. Each rank is still its own
-process with its own session, torchrun's environment, signals and error file; what differs from a
-fresh interpreter is put back in `_rank_main` (signal handlers, exit handlers, thread count).
+transformers' modeling stack and Hydra (about 5 CPU-seconds on a 2-core machine, on every rank of
+every job) before any work. On a machine without a visible GPU the agent imports them once and
+torchrun starts the ranks with its `fork` start method, so each rank begins with them loaded. Each
+rank is still its own process with its own session, torchrun's environment, signals and error file;
+what differs from a fresh interpreter is put back in `_rank_main` (signal handlers, exit handlers,
+thread count).
 
-Forking is only safe before CUDA is initialised: if anything imported here initialised it, the
-ranks start as fresh interpreters (torchrun's `spawn`), and so they do with
-DFLASH_MP_RANK_START=spawn. Plain `torchrun -m dflash_mp.train` is unchanged: fresh interpreters.
+With a GPU visible, or DFLASH_MP_RANK_START=fresh, the agent is exactly torchrun (`python -m
+torch.distributed.run`): fresh interpreters. A forked process cannot use CUDA once its parent has
+initialised it, and torch's agent may: on an H200, forked ranks failed with "Cannot re-initialize
+CUDA in forked subprocess" although CUDA was not initialised when the agent chose to fork.
+Plain `torchrun -m dflash_mp.train` always starts fresh interpreters.
 
 Usage (the supervisor builds it): python -m dflash_mp.launch.agent <torchrun options> -m dflash_mp.train <overrides>
 """
@@ -51,12 +54,12 @@ def _preimport() -> None:
 
 
 def start_method() -> str:
-    """`fork` unless asked otherwise or CUDA is already initialised in this process."""
+    """`fork` on a machine without a visible GPU, else `fresh` (also when asked for)."""
     import torch
 
-    if os.environ.get(RANK_START_ENV, "fork") == "spawn":
-        return "spawn"
-    return "spawn" if torch.cuda.is_initialized() else "fork"
+    if os.environ.get(RANK_START_ENV, "fork") == "fresh" or torch.cuda.is_available():
+        return "fresh"
+    return "fork"
 
 
 def _rank_main(*overrides: str) -> None:
@@ -92,13 +95,18 @@ def main(argv: list[str] | None = None) -> None:
     args = torchrun.parse_args(argv)
     if not (args.module and args.training_script == TRAIN_MODULE and args.standalone):
         sys.exit(f"dflash_mp.launch.agent runs `--standalone ... -m {TRAIN_MODULE}` jobs only")
+    if start_method() == "fresh":
+        print(
+            f"dflash_mp agent: starting {args.nproc_per_node} rank(s) as fresh interpreters", file=sys.stderr
+        )
+        torchrun.run(args)
+        return
     # What torchrun's --standalone means: a c10d rendezvous on a free local port.
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     _preimport()
     config, _, _ = torchrun.config_from_args(args)
-    config.start_method = start_method()
-    how = "forked from this agent" if config.start_method == "fork" else "as fresh interpreters"
-    print(f"dflash_mp agent: starting {args.nproc_per_node} rank(s) {how}", file=sys.stderr, flush=True)
+    config.start_method = "fork"
+    print(f"dflash_mp agent: starting {args.nproc_per_node} rank(s) forked from this agent", file=sys.stderr)
     elastic_launch(config=config, entrypoint=_rank_main)(*args.training_script_args)
 
 
