@@ -73,7 +73,7 @@ def torchrun_command(nproc: int, overrides: list[str], run_dir: Path, log_dir: P
     return [
         sys.executable,
         "-m",
-        "dflash_mp.launch.agent",  # torchrun's agent, forking the ranks (its docstring says why)
+        "dflash_mp.launch.agent",  # torchrun; on a machine without a GPU it forks the ranks (see there)
         "--standalone",
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",
