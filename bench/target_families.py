@@ -4,10 +4,11 @@
     python bench/target_families.py --shapes qwen3.5-9b,gpt-oss-20b --out families.json
     python bench/target_families.py --shapes tiny-gpt-oss --device cpu   # CPU smoke run
     python bench/target_families.py --shapes qwen3-30b-a3b --experts grouped_mm --profile   # A/B, kernels
+    python bench/target_families.py --shapes qwen3-30b-a3b --batch 4   # 4 sequences per forward
 
 For each shape (bench/benchlib/family_shapes.py) a random bf16 target is built on the GPU, layers up
 to the last one a 5-layer drafter reads, and three forwards of the same weights are timed on one
-batch of S random tokens:
+batch of --batch sequences (a job's data.micro_batch_size, default 1) of S random tokens:
 - hf: the plain HF forward with output_hidden_states and transformers' defaults (SDPA where the
   model allows it, eager attention for gpt-oss; its default experts implementation);
 - kernels: TargetFeatureExtractor after use_fast_kernels (sink attention on flex, grouped-GEMM
@@ -15,7 +16,7 @@ batch of S random tokens:
 - target_stage: the same, compiled per layer kind as a training job runs it (compile_layers);
   `--experts grouped_mm` runs transformers' experts there instead of ours, `--profile` adds the
   target stage's top kernels.
-MFU = 2 x (parameters of the layers run, experts scaled by top-k / experts) x S per forward over
+MFU = 2 x (parameters of the layers run, experts scaled by top-k / experts) x B x S per forward over
 the bf16 matmul peak measured at the start of the same run (attention left out; reported apart
 for the softmax-attention layers). Peak memory is the GPU's allocated peak during each variant.
 Every shape is written to --out as soon as it is measured; a failed shape records its error.
@@ -126,22 +127,24 @@ def measure(
     extractor = TargetFeatureExtractor.build_random(config, shape.layer_ids, dtype, device, seed=args.seed)
     decoder = extractor.decoder
     s = shape.seq_len
-    ids = torch.randint(0, config.vocab_size, (1, s), generator=torch.Generator().manual_seed(args.seed)).to(
+    b = args.batch
+    ids = torch.randint(0, config.vocab_size, (b, s), generator=torch.Generator().manual_seed(args.seed)).to(
         device
     )
     total, active = active_params(decoder.layers, config)
-    linear_flops = 2 * active * s
+    linear_flops = 2 * active * s * b
     result: dict = {
         "model_type": shape.model_type,
         "config": shape.fields,
         "seq_len": s,
+        "batch": b,
         "layer_ids": shape.layer_ids,
         "layers_run": len(decoder.layers),
         "params_layers_run": total,
         "active_params_layers_run": active,
         "weights_gb": sum(p.numel() * p.element_size() for p in decoder.parameters()) / bl.GB,
         "matmul_flops_per_forward": linear_flops,
-        "attention_flops_per_forward": attention_flops(config, len(decoder.layers), s),
+        "attention_flops_per_forward": b * attention_flops(config, len(decoder.layers), s),
         "hf_implementations": {
             "attention": decoder.config._attn_implementation,
             "experts": getattr(decoder.config, "_experts_implementation", None),
@@ -192,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="calls after the first (compiling) one")
     p.add_argument("--iters", type=int, default=5, help="measured forwards per variant")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=1, help="sequences per forward (data.micro_batch_size)")
     p.add_argument(
         "--experts",
         choices=(EXPERTS_IMPLEMENTATION, "grouped_mm"),

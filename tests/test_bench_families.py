@@ -16,11 +16,14 @@ def test_target_families_runs_on_cpu(tmp_path: Path) -> None:
 
     out = tmp_path / "families.json"
     argv = ["--shapes", "tiny-qwen3.5-moe,tiny-gpt-oss", "--device", "cpu", "--out", str(out)]
-    assert target_families.main([*argv, "--iters", "1", "--warmup", "0"]) == 0
+    assert target_families.main([*argv, "--iters", "1", "--warmup", "0", "--batch", "2"]) == 0
     report = json.loads(out.read_text())
     for name in ("tiny-qwen3.5-moe", "tiny-gpt-oss"):
         shape = report["shapes"][name]
         assert shape["status"] == "ok", shape
+        # Two sequences per forward: twice the matmul FLOPs of the active parameters.
+        assert shape["batch"] == 2
+        assert shape["matmul_flops_per_forward"] == 2 * shape["active_params_layers_run"] * shape["seq_len"] * 2
         assert set(shape["variants"]) == {"hf", "kernels", "target_stage"}
         # Routed experts count top-k of the experts: 2 of 4 here.
         assert shape["params_layers_run"] > shape["active_params_layers_run"] > shape["params_layers_run"] / 2
