@@ -176,3 +176,11 @@ def test_the_docs_table_is_what_plan_prints(capsys) -> None:
         ms, mfu = re.match(r"([\d.]+) \(([\d.]+)", cells[3]).groups()
         assert float(ms) == pytest.approx(stage["ms"], abs=0.05)
         assert float(mfu) == pytest.approx(stage["mfu"], abs=0.005)
+
+
+def test_a_measurement_of_several_sequences_per_call_is_read_per_sequence() -> None:
+    """bench's --batch 4 times four sequences per call: the plan's costs are per sequence."""
+    one = read_families(RESULTS / "h200x1-target-families-qwen3-30b-a3b-b1b.json")["qwen3-30b-a3b"]
+    four = read_families(RESULTS / "h200x1-target-families-qwen3-30b-a3b-b4a.json")["qwen3-30b-a3b"]
+    assert four.target_ms == pytest.approx(176.8 / 4, abs=0.05)
+    assert four.flops_per_forward == pytest.approx(one.flops_per_forward)

@@ -192,8 +192,8 @@ class FamilyRecord:
     params_run: int  # parameters of the layers run (every expert)
     active_params_run: int  # routed experts counted at top-k / experts
     weights_gb: float  # embedding + layers run + final norm, as built
-    flops_per_forward: float  # active-parameter matmuls + softmax attention
-    target_ms: float  # the target stage: fast kernels, compiled layers
+    flops_per_forward: float  # active-parameter matmuls + softmax attention, per sequence
+    target_ms: float  # the target stage per sequence: fast kernels, compiled layers
     mfu: float | None
     peak_gb: float | None
     kernels: dict[str, str]
@@ -227,6 +227,7 @@ def read_families(path: str | Path) -> dict[str, FamilyRecord]:
             continue
         try:
             stage = shape["variants"]["target_stage"]
+            per_call = int(shape.get("batch", 1))  # sequences per timed call (bench's --batch)
             records[entry] = FamilyRecord(
                 path=shown,
                 entry=entry,
@@ -237,9 +238,12 @@ def read_families(path: str | Path) -> dict[str, FamilyRecord]:
                 params_run=int(shape["params_layers_run"]),
                 active_params_run=int(shape["active_params_layers_run"]),
                 weights_gb=float(shape["weights_gb"]),
-                flops_per_forward=float(shape["matmul_flops_per_forward"])
-                + float(shape.get("attention_flops_per_forward") or 0),
-                target_ms=float(stage["ms"]),
+                flops_per_forward=(
+                    float(shape["matmul_flops_per_forward"])
+                    + float(shape.get("attention_flops_per_forward") or 0)
+                )
+                / per_call,
+                target_ms=float(stage["ms"]) / per_call,
                 mfu=stage.get("mfu"),
                 peak_gb=stage.get("peak_allocated_gb"),
                 kernels=dict(shape.get("kernels") or {}),
