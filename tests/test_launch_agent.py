@@ -1,5 +1,5 @@
-"""The launcher's agent forks the ranks after its imports (dflash_mp.launch.agent); a forked rank must
-end like a fresh interpreter would. The process facts of a live job: test_launch's
+"""On a machine without a GPU the launcher's agent forks the ranks after its imports
+(dflash_mp.launch.agent); a forked rank must end like a fresh interpreter would. The process facts of a live job: test_launch's
 assert_ranks_forked_from_the_agent."""
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def test_a_forked_rank_ends_as_a_fresh_interpreter_would(tmp_path):
     assert code == 3 and (tmp_path / "rank-exit-handler-ran").exists()
 
 
+@pytest.mark.slow
 def test_ranks_start_as_fresh_interpreters_when_asked(tmp_path, monkeypatch):
     """DFLASH_MP_RANK_START=fresh (and any visible GPU) makes the agent plain torchrun: every rank a
     fresh interpreter; the job trains as with forked ranks."""
