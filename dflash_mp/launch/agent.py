@@ -43,9 +43,7 @@ _RESET_SIGNALS = (
 def _preimport() -> None:
     """What every rank imports before its first step (the targets' modeling stack, the drafters'
     optimizer, which imports torch._dynamo); a module imported here costs a rank nothing."""
-    import torch  # noqa: F401
     import torch._dynamo  # noqa: F401
-    import torch.distributed  # noqa: F401
     import torch.optim  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
 
