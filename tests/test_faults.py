@@ -110,6 +110,41 @@ def launch(tmp_path):
         job.cleanup()
 
 
+def test_several_faults_fire_once_each_in_the_order_given(tmp_path):
+    """DFLASH_MP_FAULT="A;B": A fires at its step, then B at its own, each once; another rank's are ignored."""
+    script = textwrap.dedent(f"""
+        import time
+        from dflash_mp.runtime import watchdog
+        watchdog.start({str(tmp_path)!r}, rank=1, role="drafter", timeout_s=30.0)
+        for step in range(4):
+            for phase in ("compute", "optimizer"):
+                started = time.monotonic()
+                watchdog.beat(phase, step)
+                print(step, phase, round(time.monotonic() - started, 1), flush=True)
+    """)
+    spec = (
+        "rank=0,step=0,kind=raise ; rank=1,step=1,phase=compute,kind=stall,seconds=1;rank=1,step=2,kind=raise"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env=job_env() | {FAULT_ENV: spec},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = [line.split() for line in proc.stdout.splitlines()]
+    assert [line[:2] for line in lines] == [
+        ["0", "compute"],
+        ["0", "optimizer"],
+        ["1", "compute"],
+        ["1", "optimizer"],
+    ]
+    assert float(lines[2][2]) >= 1.0 and float(lines[3][2]) < 1.0  # the stall, once
+    assert "RuntimeError: injected fault at step 2 in phase 'compute'" in proc.stderr
+
+
 @pytest.mark.parametrize("kind, code", [("raise", 1), ("exit", FAULT_EXIT_CODE), ("hang", EXIT_HUNG)])
 def test_fault_hook_and_in_process_watchdog(tmp_path, kind, code):
     """DFLASH_MP_FAULT fires at the first heartbeat of its step; a hang ends with EXIT_HUNG."""
@@ -259,7 +294,10 @@ def test_a_target_killed_after_it_finished_sending_is_named_as_the_failure(launc
         "train.max_steps=12",
         "topology.targets=1",
         "topology.drafters=1",
-        fault=f"rank=1,step={stall_step},phase={stall_phase},kind=stall,seconds=300",
+        # The first stall lets the target run ahead, so the drafter has posted the receives of every
+        # micro-batch left (its transport posts them as their headers arrive) before the second.
+        fault=f"rank=1,step={stall_step - 2},phase=compute,kind=stall,seconds=5;"
+        f"rank=1,step={stall_step},phase={stall_phase},kind=stall,seconds=300",
     )
     done = lambda: read_heartbeats(job.run_dir).get(0, {}).get("state") == "done"  # noqa: E731
     wait_until(lambda: done() or job.proc.poll() is not None, 90, "the target to finish sending")

@@ -17,7 +17,8 @@
 - **Fault injection (a test hook).** DFLASH_MP_FAULT="rank=R,step=S,kind=raise|exit|hang|stall"
   (optionally ",phase=P", and ",seconds=N" for stall) makes rank R raise, exit abruptly, hang, or
   stall (sleep N seconds, 60 by default, or until a stop request) at its first heartbeat of
-  optimizer step >= S. Read once, in `start`.
+  optimizer step >= S. Several faults are separated by ";" (each fires once, in the order given).
+  Read once, in `start`.
 
 Free of torch imports: the launcher reads heartbeats without loading torch.
 """
@@ -255,16 +256,15 @@ class Heartbeat:
 
 
 _current: Heartbeat | None = None
-_fault: Fault | None = None
+_faults: list[Fault] = []  # this rank's, not yet fired; the first one fires first
 _stop_signal: str | None = None
 
 
 def start(run_dir: str | Path, rank: int, role: str, timeout_s: float) -> Heartbeat:
     """Start this rank's heartbeat thread, take STOP_SIGNALS as stop requests, arm the fault hook."""
-    global _current, _fault
-    spec = os.environ.get(FAULT_ENV)
-    fault = Fault(spec) if spec else None
-    _fault = fault if fault is not None and fault.rank == rank else None
+    global _current, _faults
+    specs = [spec.strip() for spec in os.environ.get(FAULT_ENV, "").split(";") if spec.strip()]
+    _faults = [fault for fault in map(Fault, specs) if fault.rank == rank]
     for sig in STOP_SIGNALS:
         signal.signal(sig, _request_stop)
     _current = Heartbeat(Path(run_dir), rank, role, timeout_s)
@@ -283,13 +283,11 @@ def die_with_agent() -> None:
 
 def beat(phase: str, step: int) -> None:
     """Record progress: this rank is now in `phase` of optimizer step `step` (0-based)."""
-    global _fault
     if _current is None:  # not under the runtime (reference trainer, tests)
         return
     _current.beat(phase, step)
-    if _fault is not None and _fault.due(phase, step):
-        fault, _fault = _fault, None  # fires once
-        fault.fire(phase, step)
+    if _faults and _faults[0].due(phase, step):
+        _faults.pop(0).fire(phase, step)  # fires once
 
 
 def finish(state: str, error: str | None = None) -> None:
