@@ -117,3 +117,23 @@ def test_the_run_tokenizer_keeps_the_added_token_and_is_world_readable(
     assert len(tokenizer) == QWEN3_MASK_ID + 1
     assert out.stat().st_mode & 0o777 == 0o755
     assert all(p.stat().st_mode & 0o777 == 0o644 for p in out.iterdir())
+
+
+def test_a_tokenizer_is_read_once_shared_untouched_and_read_again_when_its_files_change(
+    stock_qwen3_target: Path, tmp_path: Path
+) -> None:
+    """load_tokenizer shares one object per directory's contents; the mask token goes into a copy."""
+    from dflash_mp.data import load_tokenizer
+
+    target = tmp_path / "target"
+    shutil.copytree(stock_qwen3_target, target)
+    shared = load_tokenizer(target)
+    assert load_tokenizer(target) is shared
+    mask, with_mask = load_mask_token(target, "<|MASK|>", None)
+    assert mask.added and with_mask is not shared
+    assert load_mask_token(target, "<|MASK|>", None)[1] is with_mask
+    assert len(with_mask) == QWEN3_MASK_ID + 1 and len(shared) == QWEN3_MASK_ID  # the shared one untouched
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps(config | {"model_max_length": 77}))
+    changed = load_tokenizer(target)
+    assert changed is not shared and changed.model_max_length == 77

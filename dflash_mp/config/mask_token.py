@@ -12,6 +12,7 @@ tokenizer with the added token in RUN_DIR/tokenizer.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -81,18 +82,30 @@ def load_mask_token(
 ) -> tuple[MaskToken, Any]:
     """(the resolved mask token, the target's tokenizer with the token added when it was missing)."""
     from dflash_mp.data import load_tokenizer
+    from dflash_mp.data.chat import directory_stamp
 
     tokenizer = load_tokenizer(target_path, trust_remote_code=trust_remote_code)
     mask = resolve_mask_token(tokenizer, token, pinned_id, target_vocab_size(target_path))
-    if mask.added:
-        from tokenizers import AddedToken
-
-        tokenizer.add_tokens([AddedToken(token, normalized=False, special=True)], special_tokens=True)
-        if tokenizer.convert_tokens_to_ids(token) != mask.id:
-            raise MaskTokenError(
-                f"adding {token!r} to the tokenizer of {target_path} did not give id {mask.id}"
-            )
+    if mask.added:  # never into the shared tokenizer
+        tokenizer = _with_added_token(
+            str(target_path), trust_remote_code, token, mask.id, directory_stamp(target_path)
+        )
     return mask, tokenizer
+
+
+@functools.lru_cache(maxsize=4)
+def _with_added_token(target_path: str, trust_remote_code: bool, token: str, mask_id: int, stamp) -> Any:
+    """The target's tokenizer with `token` added as `mask_id`, read once per process (shared, like
+    load_tokenizer's)."""
+    from tokenizers import AddedToken
+
+    from dflash_mp.data.chat import read_tokenizer
+
+    tokenizer = read_tokenizer(target_path, trust_remote_code)
+    tokenizer.add_tokens([AddedToken(token, normalized=False, special=True)], special_tokens=True)
+    if tokenizer.convert_tokens_to_ids(token) != mask_id:
+        raise MaskTokenError(f"adding {token!r} to the tokenizer of {target_path} did not give id {mask_id}")
+    return tokenizer
 
 
 def mask_token_problems(model_cfg: Any, target_path: str | Path) -> list[str]:

@@ -8,6 +8,8 @@ reasoning the template keeps is trained on, reasoning it strips is simply absent
 from __future__ import annotations
 
 import bisect
+import functools
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -21,8 +23,22 @@ def load_tokenizer(
 ) -> Any:
     """The target's tokenizer from its local directory (never a hub); it must be fast.
 
-    `require_chat_template=False` when data.chat_template supplies the template instead.
+    Read once per process for a directory's contents (a 150k-token vocabulary takes about a second
+    to read, and a rank asks for it from the config checks, the data, the mask token and the
+    evaluation): callers share the object and must not change it; `read_tokenizer` gives a private
+    one. `require_chat_template=False` when data.chat_template supplies the template instead.
     """
+    tokenizer = _shared_tokenizer(str(path), trust_remote_code, directory_stamp(path))
+    if require_chat_template and not tokenizer.chat_template:
+        raise DataError(
+            f"{path}: the tokenizer has no chat template; add chat_template.jinja (or a chat_template "
+            "entry in tokenizer_config.json) to the directory, or set data.chat_template=FILE.jinja"
+        )
+    return tokenizer
+
+
+def read_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
+    """A tokenizer of the caller's own, read from the local directory `path` (never a hub)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
@@ -32,12 +48,24 @@ def load_tokenizer(
         raise DataError(
             f"{path}: the tokenizer is not a fast tokenizer; add its tokenizer.json to the directory"
         )
-    if require_chat_template and not tokenizer.chat_template:
-        raise DataError(
-            f"{path}: the tokenizer has no chat template; add chat_template.jinja (or a chat_template "
-            "entry in tokenizer_config.json) to the directory, or set data.chat_template=FILE.jinja"
-        )
     return tokenizer
+
+
+def directory_stamp(path: str | Path) -> tuple | None:
+    """Name, size and modification time of every file in `path` (None when it cannot be listed):
+    a cache key that changes when the directory's files do."""
+    try:
+        with os.scandir(path) as entries:
+            return tuple(
+                sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file())
+            )
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _shared_tokenizer(path: str, trust_remote_code: bool, stamp: tuple | None) -> Any:
+    return read_tokenizer(path, trust_remote_code)  # a failure is not cached: it raises again
 
 
 def read_chat_template(path: str) -> str | None:
