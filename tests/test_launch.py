@@ -22,6 +22,7 @@ from dflash_mp.config.schema import compose_config
 from dflash_mp.embedded import embedded_path
 from dflash_mp.launch import outcome, supervisor
 from dflash_mp.run import processes
+from dflash_mp.run.rundir import LOCK_NAME
 from dflash_mp.runtime.watchdog import EXIT_PREEMPTED
 from tests.conftest import REPO, job_env, read_metrics
 from tests.test_faults import FAST, last_lines, leftovers, wait_until
@@ -59,6 +60,9 @@ def test_a_bad_config_fails_before_any_worker_naming_every_field(tmp_path, entry
     assert not (run / "logs" / "torchrun").exists() and not (run / "heartbeats").exists()
     assert not list((run / "logs").glob("rank*.log"))
     assert outcome.read_job_state(run)["exit_code"] == outcome.EXIT_PREFLIGHT
+    # The launcher's standby agent (forked before the preflight on a machine without a GPU) ended
+    # with it: nothing holds the run directory.
+    assert not processes.holders_of(run / LOCK_NAME)
 
 
 def test_doctor_names_a_busy_port_and_a_target_without_weights(tmp_path):
@@ -572,23 +576,30 @@ def test_stop_and_status_work_from_the_run_dir_when_the_supervisor_is_gone(tmp_p
         left.wait()
 
 
-def assert_ranks_forked_from_the_agent(run_dir) -> None:
-    """The launcher's agent (dflash_mp.launch.agent) forks every rank after its imports: each rank is
-    the agent's child, runs the agent's command line (no fresh interpreter) and, as under torchrun,
-    leads its own session."""
+def assert_ranks_forked_from_the_agent(run_dir, launcher: int) -> None:
+    """On a machine without a GPU the launcher forks its torchrun agent (dflash_mp.launch.agent) and
+    the agent every rank: the agent is the launcher's child running its command line, each rank the
+    agent's child, with that command line too (no fresh interpreter) and, as under torchrun, its own
+    session. Holding the run directory's lock, they are found as the job's processes."""
     from dflash_mp.runtime.watchdog import read_heartbeats
 
-    agent = outcome.read_job_state(run_dir)["agent_pid"]
-    agent_cmdline = processes.cmdline(agent)
-    assert b"dflash_mp.launch.agent" in agent_cmdline, agent_cmdline
+    state = outcome.read_job_state(run_dir)
+    agent = state["agent_pid"]
+    launcher_cmdline = processes.cmdline(launcher)
+    assert processes.cmdline(agent) == launcher_cmdline, processes.cmdline(agent)
+    assert Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(launcher)
+    ranks = []
     for rank, beat in read_heartbeats(run_dir).items():
         pid = beat["pid"]
+        ranks.append(pid)
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         ppid, session = int(fields[1]), int(fields[3])
         assert (ppid, session) == (agent, pid), f"rank {rank}: parent {ppid}, session {session}"
-        assert processes.cmdline(pid) == agent_cmdline, (
+        assert processes.cmdline(pid) == launcher_cmdline, (
             f"rank {rank} was not forked: {processes.cmdline(pid)}"
         )
+    found = processes.job_processes(state["job_id"], run_dir / LOCK_NAME)
+    assert {agent, *ranks} <= set(found), (agent, ranks, found)
 
 
 @pytest.mark.slow
@@ -604,7 +615,7 @@ def test_killing_the_launcher_ends_the_whole_job(tmp_path, adopt_orphans):
     )
     try:
         job.wait_for_step(2)
-        assert_ranks_forked_from_the_agent(job.run_dir)
+        assert_ranks_forked_from_the_agent(job.run_dir, job.proc.pid)
         job_id = outcome.read_job_state(job.run_dir)["job_id"]
         os.kill(job.proc.pid, signal.SIGKILL)
         job.proc.wait()

@@ -15,16 +15,37 @@ initialised it, and torch's agent may: on an H200, forked ranks failed with "Can
 CUDA in forked subprocess" although CUDA was not initialised when the agent chose to fork.
 Plain `torchrun -m dflash_mp.train` always starts fresh interpreters.
 
+The launcher starts the agent the same way. On such a machine it forks a standby copy of itself
+(`AgentZygote`) right after importing torch and transformers for its preflight and before running
+anything else (a process that has run tensor ops or tokenized holds thread pools a fork would
+break); the standby imports what the ranks need while the preflight runs, and becomes the agent
+when the supervisor hands it the command (or exits when the preflight refuses the job). Elsewhere
+the agent is `python -m dflash_mp.launch.agent`. The forked agent is put back to what that
+interpreter would be (`_run_forked`): the job's environment, job.log as stdout and stderr, no
+descriptor but the run directory's lock, default signal handlers, no logging handlers, no Hydra
+state, no exit handlers. Its processes carry the job's id in `os.environ` (what they start inherits
+it) but not in /proc/PID/environ, which keeps the launcher's: `processes.job_processes` finds them
+by the lock they hold.
+
 Usage (the supervisor builds it): python -m dflash_mp.launch.agent <torchrun options> -m dflash_mp.train <overrides>
 """
 
 from __future__ import annotations
 
 import atexit
+import io
+import json
+import logging
 import os
 import signal
+import subprocess
 import sys
+import traceback
 import uuid
+from pathlib import Path
+from typing import NoReturn
+
+from dflash_mp.run.processes import PR_SET_PDEATHSIG, die_with_parent
 
 RANK_START_ENV = "DFLASH_MP_RANK_START"
 TRAIN_MODULE = "dflash_mp.train"
@@ -106,6 +127,173 @@ def main(argv: list[str] | None = None) -> None:
     config.start_method = "fork"
     print(f"dflash_mp agent: starting {args.nproc_per_node} rank(s) forked from this agent", file=sys.stderr)
     elastic_launch(config=config, entrypoint=_rank_main)(*args.training_script_args)
+
+
+class ForkedAgent:
+    """An agent forked from the launcher, as much of `subprocess.Popen` as the supervisor uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)  # -N: killed by signal N, as Popen
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+class AgentZygote:
+    """A copy of the launcher forked before its preflight, waiting to become the job's agent."""
+
+    def __init__(self, pid: int, command_fd: int) -> None:
+        self.pid, self.command_fd = pid, command_fd  # None once handed over or discarded
+
+    @classmethod
+    def fork(cls, lock_fd: int) -> AgentZygote | None:
+        """Import torch and transformers and fork the standby agent, where forking is the way to
+        start one (see the module docstring); None elsewhere."""
+        import threading
+
+        try:
+            import torch  # noqa: F401  (what the preflight imports anyway)
+            import transformers  # noqa: F401
+        except Exception:  # a broken install: the preflight's import check names it
+            return None
+        if threading.active_count() != 1 or start_method() != "fork":
+            return None
+        read_fd, write_fd = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            os.close(write_fd)
+            _zygote_main(read_fd, lock_fd, parent)
+        os.close(read_fd)
+        return cls(pid, write_fd)
+
+    def start(self, command: list[str], env: dict[str, str], log_path: Path) -> ForkedAgent:
+        """Hand over `command` (python -m dflash_mp.launch.agent ARGS): the standby becomes the agent."""
+        payload = json.dumps({"argv": command[3:], "env": env, "log": str(log_path)}).encode()
+        fd, self.command_fd = self.command_fd, None
+        with os.fdopen(fd, "wb") as pipe:
+            pipe.write(payload)
+        return ForkedAgent(self.pid)
+
+    def discard(self) -> None:
+        """The job does not start (preflight refused, an error): the standby exits unused."""
+        fd, self.command_fd = self.command_fd, None
+        if fd is not None:
+            os.close(fd)
+            os.waitpid(self.pid, 0)
+
+
+def start(
+    command: list[str], env: dict[str, str], log_path: Path, lock_fd: int, zygote: AgentZygote | None
+) -> subprocess.Popen | ForkedAgent:
+    """Start the agent `command` (python -m dflash_mp.launch.agent ...) with `env`, job.log as its
+    output and the run directory's lock: `zygote` becomes it, else a new interpreter. Either gets
+    SIGTERM when this process dies."""
+    if zygote is not None:
+        return zygote.start(command, env, log_path)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log_fd,
+            stderr=subprocess.STDOUT,
+            env=env,
+            pass_fds=(lock_fd,),  # the agent shares the lock: it holds it while the ranks end
+            # A killed supervisor (kill -9, OOM) stops the agent like `stop` does: the ranks checkpoint
+            # and end within torchrun's grace, and each rank dies with its agent. Nothing runs on.
+            preexec_fn=die_with_parent(signal.SIGTERM),
+        )
+    finally:
+        os.close(log_fd)
+
+
+def _zygote_main(command_fd: int, lock_fd: int, parent: int) -> NoReturn:
+    """The standby: dies with the launcher, imports, then waits for the command (EOF: not needed)."""
+    try:
+        _die_with(parent, signal.SIGTERM)
+        _preimport()
+        with os.fdopen(command_fd, "rb") as pipe:
+            payload = pipe.read()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    if not payload:
+        os._exit(0)
+    command = json.loads(payload)
+    _run_forked(command["argv"], command["env"], Path(command["log"]), lock_fd)
+
+
+def _die_with(parent: int, sig: signal.Signals) -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() != parent:  # the launcher died before the prctl took effect
+        os.kill(os.getpid(), sig)
+
+
+def _run_forked(argv: list[str], env: dict[str, str], log_path: Path, lock_fd: int) -> NoReturn:
+    """The forked agent: made what `python -m dflash_mp.launch.agent ARGV` would start as, then run."""
+    code, interrupted = 1, False
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        for fd, target in ((null, 0), (log, 1), (log, 2)):
+            os.dup2(fd, target)
+        os.closerange(3, lock_fd)  # the launcher's other files are not the job's
+        os.closerange(lock_fd + 1, os.sysconf("SC_OPEN_MAX"))
+        os.environ.clear()
+        os.environ.update(env)
+        # PYTHONUNBUFFERED=1, as the job's environment asks: every line reaches job.log at once.
+        sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            stream = io.TextIOWrapper(
+                io.FileIO(fd, "w", closefd=False), write_through=True, errors="backslashreplace"
+            )
+            setattr(sys, name, stream)
+            setattr(sys, f"__{name}__", stream)
+        for sig in _RESET_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        logging.root.handlers.clear()  # Hydra's job logging of the launcher
+        logging.root.setLevel(logging.WARNING)
+        if "hydra" in sys.modules:  # each rank's Hydra starts anew
+            from hydra.core.global_hydra import GlobalHydra
+
+            GlobalHydra.instance().clear()
+        atexit._clear()  # the launcher's exit handlers are not the agent's
+        sys.argv = [__file__, *argv]
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        record(main)(argv)
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        interrupted = True
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        if interrupted:  # an interpreter ends on an uncaught Ctrl-C by SIGINT
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        os._exit(code)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from dflash_mp import doctor
 from dflash_mp.config.validation import processes_per_job
+from dflash_mp.launch.agent import AgentZygote
 from dflash_mp.launch.detached import start_detached
 from dflash_mp.launch.outcome import EXIT_PREFLIGHT, Outcome, read_job_state, write_outcome
 from dflash_mp.launch.supervisor import supervise
@@ -69,6 +70,23 @@ def launch(dict_cfg: DictConfig, overrides: list[str], run_dir: Path, detach: bo
 def _launch(dict_cfg: DictConfig, overrides: list[str], run_dir: Path, lock: RunDirLock, detach: bool) -> int:
     started = time.monotonic()
     announce(run_dir)
+    zygote = None if detach else AgentZygote.fork(lock.fd)  # before anything runs a thread pool
+    try:
+        return _checked_launch(dict_cfg, overrides, run_dir, lock, detach, started, zygote)
+    finally:
+        if zygote is not None:  # unless it became the agent: the job never began
+            zygote.discard()
+
+
+def _checked_launch(
+    dict_cfg: DictConfig,
+    overrides: list[str],
+    run_dir: Path,
+    lock: RunDirLock,
+    detach: bool,
+    started: float,
+    zygote: AgentZygote | None,
+) -> int:
     checks = doctor.preflight(dict_cfg, run_dir)
     bad = doctor.failed(checks)
     if bad:
@@ -86,4 +104,4 @@ def _launch(dict_cfg: DictConfig, overrides: list[str], run_dir: Path, lock: Run
     nproc = processes_per_job(dict_cfg, doctor.visible_gpus())  # the preflight made sure it is known
     if detach:
         return start_detached(run_dir, nproc, targets, overrides, lock)
-    return supervise(run_dir, nproc, targets, overrides, echo=True, lock=lock)
+    return supervise(run_dir, nproc, targets, overrides, echo=True, lock=lock, zygote=zygote)

@@ -12,24 +12,25 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
+from subprocess import Popen
 
+from dflash_mp.launch.agent import AgentZygote, ForkedAgent
+from dflash_mp.launch.agent import start as start_agent
 from dflash_mp.launch.outcome import StopRequest, error_files, judge, write_job_state, write_outcome
 from dflash_mp.run.logs import append_job_log, job_log_path
 from dflash_mp.run.processes import (
     JOB_ID_ENV,
     alive,
     become_subreaper,
-    die_with_parent,
     job_processes,
     kill,
     reap_orphans,
 )
-from dflash_mp.run.rundir import RunDirLock
+from dflash_mp.run.rundir import LOCK_NAME, RunDirLock
 from dflash_mp.runtime.watchdog import PEER_GRACE_S, heartbeat_dir, preempted_marker, read_heartbeats
 
 # Signals torchrun's agent turns into a graceful shutdown (the same signal to the workers, SIGKILL
@@ -90,8 +91,9 @@ def torchrun_command(nproc: int, overrides: list[str], run_dir: Path, log_dir: P
 class JobMonitor:
     """What the supervisor learns while torchrun runs: who vanished when, who hung, which signal came."""
 
-    def __init__(self, run_dir: Path, agent: subprocess.Popen, job_id: str) -> None:
+    def __init__(self, run_dir: Path, agent: Popen | ForkedAgent, job_id: str) -> None:
         self.run_dir, self.agent, self.job_id = run_dir, agent, job_id
+        self.lock_path = run_dir / LOCK_NAME
         self.host = socket.gethostname()
         self.last_alive: dict[int, float] = {}
         self.vanished: dict[int, float] = {}  # rank -> last time it was seen alive
@@ -141,7 +143,7 @@ class JobMonitor:
                 f"rank {rank} ({beat['role']}) hung in phase {beat['phase']!r} at step {beat['step']}: {why}"
             )
             append_job_log(self.run_dir, f"launcher watchdog: {self.hung}; killing the job")
-            kill(job_processes(self.job_id))
+            kill(job_processes(self.job_id, self.lock_path))
             return
 
     def _forward_signal(self, beats: dict[int, dict]) -> None:
@@ -174,7 +176,13 @@ class _Echo:
 
 
 def supervise(
-    run_dir: Path, nproc: int, targets: int, overrides: list[str], echo: bool, lock: RunDirLock
+    run_dir: Path,
+    nproc: int,
+    targets: int,
+    overrides: list[str],
+    echo: bool,
+    lock: RunDirLock,
+    zygote: AgentZygote | None = None,
 ) -> int:
     """Run one torchrun job to its end and write the outcome; returns the job's exit code."""
     job_id = uuid.uuid4().hex[:16]
@@ -186,21 +194,13 @@ def supervise(
     echo_to_terminal = _Echo(job_log_path(run_dir)) if echo else None
     append_job_log(run_dir, f"launching {nproc} process(es) with torchrun: {' '.join(overrides)}")
     started = time.monotonic()
-    log_fd = os.open(job_log_path(run_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        agent = subprocess.Popen(
-            torchrun_command(nproc, overrides, run_dir, log_dir),
-            stdin=subprocess.DEVNULL,
-            stdout=log_fd,
-            stderr=subprocess.STDOUT,
-            env=job_environment(run_dir, job_id),
-            pass_fds=(lock.fd,),  # the agent shares the lock: it holds it while the ranks end
-            # A killed supervisor (kill -9, OOM) stops the agent like `stop` does: the ranks checkpoint
-            # and end within torchrun's grace, and each rank dies with its agent. Nothing runs on.
-            preexec_fn=die_with_parent(signal.SIGTERM),
-        )
-    finally:
-        os.close(log_fd)
+    agent = start_agent(
+        torchrun_command(nproc, overrides, run_dir, log_dir),
+        job_environment(run_dir, job_id),
+        job_log_path(run_dir),
+        lock.fd,
+        zygote,
+    )
     write_job_state(
         run_dir,
         state="running",
@@ -223,7 +223,7 @@ def supervise(
                 echo_to_terminal.pump()
             time.sleep(POLL_S)
         monitor.poll()
-        leftovers = job_processes(job_id)
+        leftovers = job_processes(job_id, lock.path)
         if leftovers:
             append_job_log(
                 run_dir, f"launcher: killing {len(leftovers)} process(es) the job left: {leftovers}"

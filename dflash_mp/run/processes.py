@@ -1,7 +1,7 @@
 """The processes of a job, read from /proc: alive, zombie, in a process group, carrying the job's id.
 
-Everything a job starts carries DFLASH_MP_JOB_ID in its environment, so what a job left behind is
-found and killed by that, never by name. Free of torch imports.
+Everything a job starts carries DFLASH_MP_JOB_ID in its environment or holds its run directory's
+lock, so what a job left behind is found and killed by that, never by name. Free of torch imports.
 """
 
 from __future__ import annotations
@@ -47,18 +47,20 @@ def zombie_children(ppid: int) -> list[int]:
     return [pid for pid in _all_pids() if (stat := _proc_stat(pid)) is not None and stat[:2] == ("Z", ppid)]
 
 
-def job_processes(job_id: str) -> list[int]:
-    """Live processes started for job `job_id` (torchrun, ranks, their helpers), by environment."""
+def job_processes(job_id: str, lock_path: Path | None = None) -> list[int]:
+    """Live processes started for job `job_id` (torchrun, ranks, their helpers), by environment,
+    and, given the run directory's `lock_path`, the others holding it (an agent forked from the
+    launcher and its ranks keep the launcher's /proc environ), this process left out."""
     marker = f"{JOB_ID_ENV}={job_id}".encode()
-    found = []
+    found = set(holders_of(lock_path)) - {os.getpid()} if lock_path is not None else set()
     for pid in _all_pids():
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:  # gone, or not ours
             continue
         if marker in environ.split(b"\0") and alive(pid):
-            found.append(pid)
-    return found
+            found.add(pid)
+    return sorted(found)
 
 
 def holders_of(path: Path) -> list[int]:
