@@ -154,7 +154,7 @@ class AgentZygote:
         self.pid, self.command_fd = pid, command_fd  # None once handed over or discarded
 
     @classmethod
-    def fork(cls, lock_fd: int) -> AgentZygote | None:
+    def fork(cls, lock_fd: int, log_path: Path) -> AgentZygote | None:
         """Import torch and transformers and fork the standby agent, where forking is the way to
         start one (see the module docstring); None elsewhere."""
         import threading
@@ -173,7 +173,7 @@ class AgentZygote:
         pid = os.fork()
         if pid == 0:
             os.close(write_fd)
-            _zygote_main(read_fd, lock_fd, parent)
+            _zygote_main(read_fd, lock_fd, log_path, parent)
         os.close(read_fd)
         return cls(pid, write_fd)
 
@@ -218,10 +218,17 @@ def start(
         os.close(log_fd)
 
 
-def _zygote_main(command_fd: int, lock_fd: int, parent: int) -> NoReturn:
-    """The standby: dies with the launcher, imports, then waits for the command (EOF: not needed)."""
+def _zygote_main(command_fd: int, lock_fd: int, log_path: Path, parent: int) -> NoReturn:
+    """The standby: dies with the launcher, imports, then waits for the command (EOF: not needed).
+    It writes to job.log, not the launcher's terminal, and leaves a Ctrl-C to the launcher, which
+    then discards it."""
     try:
         _die_with(parent, signal.SIGTERM)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        null = os.open(os.devnull, os.O_RDONLY)
+        log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        for fd, target in ((null, 0), (log, 1), (log, 2)):
+            os.dup2(fd, target)
         _preimport()
         with os.fdopen(command_fd, "rb") as pipe:
             payload = pipe.read()

@@ -70,7 +70,8 @@ def launch(dict_cfg: DictConfig, overrides: list[str], run_dir: Path, detach: bo
 def _launch(dict_cfg: DictConfig, overrides: list[str], run_dir: Path, lock: RunDirLock, detach: bool) -> int:
     started = time.monotonic()
     announce(run_dir)
-    zygote = None if detach else AgentZygote.fork(lock.fd)  # before anything runs a thread pool
+    # Before anything runs a thread pool (see dflash_mp.launch.agent).
+    zygote = None if detach else AgentZygote.fork(lock.fd, job_log_path(run_dir))
     try:
         return _checked_launch(dict_cfg, overrides, run_dir, lock, detach, started, zygote)
     finally:
