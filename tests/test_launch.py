@@ -600,6 +600,10 @@ def assert_ranks_forked_from_the_agent(run_dir, launcher: int) -> None:
         )
     found = processes.job_processes(state["job_id"], run_dir / LOCK_NAME)
     assert {agent, *ranks} <= set(found), (agent, ranks, found)
+    # The forked agent writes into job.log, as the launcher's subprocess did.
+    assert (
+        f"starting {len(ranks)} rank(s) forked from this agent" in (run_dir / "logs" / "job.log").read_text()
+    )
 
 
 @pytest.mark.slow

@@ -190,6 +190,7 @@ class AgentZygote:
         fd, self.command_fd = self.command_fd, None
         if fd is not None:
             os.close(fd)
+            os.kill(self.pid, signal.SIGKILL)  # it holds nothing of its own: no need to wait for its imports
             os.waitpid(self.pid, 0)
 
 
