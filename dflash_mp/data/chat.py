@@ -56,11 +56,10 @@ def directory_stamp(path: str | Path) -> tuple | None:
     a cache key that changes when the directory's files do."""
     try:
         with os.scandir(path) as entries:
-            return tuple(
-                sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file())
-            )
+            stats = [(e.name, e.stat()) for e in entries if e.is_file()]
     except OSError:
         return None
+    return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
 
 
 @functools.lru_cache(maxsize=8)

@@ -45,7 +45,7 @@ import uuid
 from pathlib import Path
 from typing import NoReturn
 
-from dflash_mp.run.processes import PR_SET_PDEATHSIG, die_with_parent
+from dflash_mp.run.processes import die_with_parent
 
 RANK_START_ENV = "DFLASH_MP_RANK_START"
 TRAIN_MODULE = "dflash_mp.train"
@@ -59,6 +59,13 @@ _RESET_SIGNALS = (
     signal.SIGUSR2,
     signal.SIGCHLD,
 )
+
+
+def _default_signals() -> None:
+    """Python's own handlers, as a fresh interpreter starts with them."""
+    for sig in _RESET_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _preimport() -> None:
@@ -88,9 +95,7 @@ def _rank_main(*overrides: str) -> None:
     from dflash_mp import train
 
     os.setsid()  # torchrun gives every rank its own session
-    for sig in _RESET_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _default_signals()
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit():  # read once at torch's import in a fresh interpreter
         torch.set_num_threads(int(threads))
@@ -169,17 +174,18 @@ class AgentZygote:
         read_fd, write_fd = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
-        parent = os.getpid()
+        die_with_launcher = die_with_parent(signal.SIGTERM)
         pid = os.fork()
         if pid == 0:
             os.close(write_fd)
-            _zygote_main(read_fd, lock_fd, log_path, parent)
+            die_with_launcher()
+            _zygote_main(read_fd, lock_fd, log_path)
         os.close(read_fd)
         return cls(pid, write_fd)
 
-    def start(self, command: list[str], env: dict[str, str], log_path: Path) -> ForkedAgent:
+    def start(self, command: list[str], env: dict[str, str]) -> ForkedAgent:
         """Hand over `command` (python -m dflash_mp.launch.agent ARGS): the standby becomes the agent."""
-        payload = json.dumps({"argv": command[3:], "env": env, "log": str(log_path)}).encode()
+        payload = json.dumps({"argv": command[3:], "env": env}).encode()
         fd, self.command_fd = self.command_fd, None
         with os.fdopen(fd, "wb") as pipe:
             pipe.write(payload)
@@ -200,8 +206,8 @@ def start(
     """Start the agent `command` (python -m dflash_mp.launch.agent ...) with `env`, job.log as its
     output and the run directory's lock: `zygote` becomes it, else a new interpreter. Either gets
     SIGTERM when this process dies."""
-    if zygote is not None:
-        return zygote.start(command, env, log_path)
+    if zygote is not None:  # it writes to job.log already
+        return zygote.start(command, env)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         return subprocess.Popen(
@@ -219,12 +225,10 @@ def start(
         os.close(log_fd)
 
 
-def _zygote_main(command_fd: int, lock_fd: int, log_path: Path, parent: int) -> NoReturn:
-    """The standby: dies with the launcher, imports, then waits for the command (EOF: not needed).
-    It writes to job.log, not the launcher's terminal, and leaves a Ctrl-C to the launcher, which
-    then discards it."""
+def _zygote_main(command_fd: int, lock_fd: int, log_path: Path) -> NoReturn:
+    """The standby: imports, then waits for the command (EOF: not needed). It writes to job.log,
+    not the launcher's terminal, and leaves a Ctrl-C to the launcher, which then discards it."""
     try:
-        _die_with(parent, signal.SIGTERM)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         null = os.open(os.devnull, os.O_RDONLY)
         log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -239,25 +243,14 @@ def _zygote_main(command_fd: int, lock_fd: int, log_path: Path, parent: int) -> 
     if not payload:
         os._exit(0)
     command = json.loads(payload)
-    _run_forked(command["argv"], command["env"], Path(command["log"]), lock_fd)
+    _run_forked(command["argv"], command["env"], lock_fd)
 
 
-def _die_with(parent: int, sig: signal.Signals) -> None:
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    if os.getppid() != parent:  # the launcher died before the prctl took effect
-        os.kill(os.getpid(), sig)
-
-
-def _run_forked(argv: list[str], env: dict[str, str], log_path: Path, lock_fd: int) -> NoReturn:
-    """The forked agent: made what `python -m dflash_mp.launch.agent ARGV` would start as, then run."""
+def _run_forked(argv: list[str], env: dict[str, str], lock_fd: int) -> NoReturn:
+    """The forked agent: made what `python -m dflash_mp.launch.agent ARGV` would start as (its
+    output already goes to job.log), then run."""
     code, interrupted = 1, False
     try:
-        null = os.open(os.devnull, os.O_RDONLY)
-        log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        for fd, target in ((null, 0), (log, 1), (log, 2)):
-            os.dup2(fd, target)
         os.closerange(3, lock_fd)  # the launcher's other files are not the job's
         os.closerange(lock_fd + 1, os.sysconf("SC_OPEN_MAX"))
         os.environ.clear()
@@ -270,9 +263,7 @@ def _run_forked(argv: list[str], env: dict[str, str], log_path: Path, lock_fd: i
             )
             setattr(sys, name, stream)
             setattr(sys, f"__{name}__", stream)
-        for sig in _RESET_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _default_signals()
         logging.root.handlers.clear()  # Hydra's job logging of the launcher
         logging.root.setLevel(logging.WARNING)
         if "hydra" in sys.modules:  # each rank's Hydra starts anew
