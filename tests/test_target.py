@@ -137,3 +137,39 @@ def test_inductor_compiled_target_matches_eager_in_bf16_on_cuda() -> None:
     extractor.compile_layers()
     for _ in range(2):  # the second call runs the cached graph
         torch.testing.assert_close(extractor(input_ids), expected, atol=5e-2, rtol=5e-2)
+
+
+class _DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the operators that copy a tensor's value to the host (a sync on a GPU)."""
+
+    READS = (
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.is_nonzero.default,
+        torch.ops.aten.item.default,
+        torch.ops.aten.equal.default,
+        torch.ops.aten.nonzero.default,
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_target_forward_reads_no_device_value(untied: tuple[Path, Qwen3ForCausalLM]) -> None:
+    """The host can run ahead of the GPU (and the forward can be captured in a CUDA graph) only if
+    the forward never copies a value back; transformers' packed-sequence check did, every forward."""
+    path, model = untied
+    extractor = TargetFeatureExtractor(path, [1, 3], dtype=torch.float32, device="cpu")
+    input_ids = _input_ids(2, 9)
+    extractor(input_ids)
+    with _DeviceReads() as spy:
+        features = extractor(input_ids)
+    assert spy.reads == []
+    with torch.no_grad():
+        hidden_states = model(input_ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(features, torch.cat([hidden_states[2], hidden_states[4]], dim=-1))

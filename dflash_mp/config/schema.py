@@ -176,6 +176,9 @@ class TrainConfig:
     attention: str = "auto"
     # torch.compile the drafter's and the target's layers, per process: "auto" (on for GPU), true or false.
     compile: str = "auto"
+    # Replay the target's forward from CUDA graphs, one per padded micro-batch shape: "auto" (on for
+    # a GPU target that is not tensor-parallel), true or false (models/target_graphs.py).
+    cuda_graphs: str = "auto"
     # Write the HF-format drafter to run_dir/export at the end of training.
     export: bool = True
 

@@ -267,6 +267,9 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
             f"with train.dtype={tr.dtype}: use train.attention=flex (GPU) or sdpa (CPU)"
         )
     _choice(problems, "train.compile", str(tr.compile).lower(), ("auto", "true", "false"))
+    _choice(problems, "train.cuda_graphs", str(tr.cuda_graphs).lower(), ("auto", "true", "false"))
+    if str(tr.cuda_graphs).lower() == "true" and tr.device == "cpu":
+        problems.append("train.cuda_graphs=true needs a GPU, not train.device=cpu: use auto or false")
 
     _at_least(problems, "watchdog.timeout_s", cfg.watchdog.timeout_s, 0.0, " (0 disables)")
     _at_least(problems, "eval.every", cfg.eval.every, 0, " (0 disables)")

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
-from dflash_mp.models import target_kernels
+from dflash_mp.models import target_graphs, target_kernels
 
 
 def _tp() -> Any:
@@ -139,6 +139,7 @@ class TargetFeatureExtractor(nn.Module):
         """Freeze `decoder` (layers 0..max(layer_ids)) and capture the outputs of layers `layer_ids`."""
         self.decoder = decoder.eval().requires_grad_(False)
         self._captured: dict[int, torch.Tensor] = {}
+        self._graphed: target_graphs.GraphedForward | None = None
         for layer_id in set(self.layer_ids):
             self.decoder.layers[layer_id].register_forward_hook(self._capture_hook(layer_id))
 
@@ -219,11 +220,26 @@ class TargetFeatureExtractor(nn.Module):
 
         return hook
 
-    @torch.inference_mode()
+    def use_cuda_graphs(self, max_graphs: int = 64) -> None:
+        """Replay the forward from CUDA graphs, one per input shape (models/target_graphs.py)."""
+        self._graphed = target_graphs.GraphedForward(self._forward_eager, max_graphs)
+
+    @property
+    def cuda_graphs_off_because(self) -> str | None:
+        """Why graphs were turned off after a failed capture; None while they run (or were never on)."""
+        return self._graphed.off_because if self._graphed is not None else None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Concatenated outputs of target layers `layer_ids`: [B, S, K*H] (causal; no attention mask)."""
+        if self._graphed is not None:
+            return self._graphed(input_ids)
+        return self._forward_eager(input_ids)
+
+    @torch.inference_mode()
+    def _forward_eager(self, input_ids: torch.Tensor) -> torch.Tensor:
         self._captured.clear()
-        last_hidden_state = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+        with target_graphs.single_sequence_rows():  # each row is one sequence: no packed-mask sync
+            last_hidden_state = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state
         # HF's hidden_states[-1] carries the final norm, so the reference sees the normed last layer.
         features = [
             last_hidden_state if i == self.num_target_layers - 1 else self._captured[i]

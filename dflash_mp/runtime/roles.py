@@ -77,12 +77,29 @@ def make_feature_extractor(
     # The fast kernels are the GPU default, like compiling; a CPU target stays on HF's own paths.
     kernels = extractor.use_fast_kernels() if device.type == "cuda" else {"attention": "HF default (CPU)"}
     plans = extractor.compile_layers() if compile_layers else {}
+    graphs = target_cuda_graphs(cfg, device, mesh)
+    if graphs:
+        extractor.use_cuda_graphs()
     get_logger().info(
-        "target kernels: %s; compiled: %s",
+        "target kernels: %s; compiled: %s; CUDA graphs: %s",
         format_kernels(kernels),
         ", ".join(f"{plan} x{n}" for plan, n in plans.items()) or "nothing",
+        "one per input shape" if graphs else "no",
     )
     return extractor
+
+
+def target_cuda_graphs(cfg: RootConfig, device: torch.device, mesh: DeviceMesh | None) -> bool:
+    """Whether the target forward replays CUDA graphs: train.cuda_graphs, "auto" resolved. A
+    tensor-parallel replica runs eagerly (its collectives are not captured)."""
+    flag = str(cfg.train.cuda_graphs).lower()
+    if device.type != "cuda" or flag == "false":
+        return False
+    if mesh is not None:
+        if flag == "true":
+            get_logger().warning("train.cuda_graphs=true: a tensor-parallel target runs without graphs")
+        return False
+    return True
 
 
 def hidden_states_for_drafter(extractor, batch: MicroBatch, dtype: torch.dtype, device: torch.device):
