@@ -80,7 +80,14 @@ def preflight(
             import torch
 
             on_gpu = cfg.train.device != "cpu" and torch.cuda.is_available()
-            checks.append(check_target_kernels(cfg.model.target_path, on_gpu, cfg.model.trust_remote_code))
+            checks.append(
+                check_target_kernels(
+                    cfg.model.target_path,
+                    on_gpu,
+                    cfg.model.trust_remote_code,
+                    cuda_graphs=cfg.train.cuda_graphs,
+                )
+            )
         checks.append(check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite))
         if checks[-1].ok and cfg.train.resume:
             checks.append(check_resume(cfg, run_dir, nnodes * per_node if per_node else None))
@@ -245,9 +252,12 @@ def check_target(target_path: str) -> Check:
     return Check("target", True, f"{path}: {len(weights)} weight file(s), {size:.2f} GiB")
 
 
-def check_target_kernels(target_path: str, on_gpu: bool, trust_remote_code: bool = False) -> Check:
-    """The kernels the target forward will run (attention, linear attention, experts), and what a
-    missing optional extra costs; a missing extra is a warning, not a failure."""
+def check_target_kernels(
+    target_path: str, on_gpu: bool, trust_remote_code: bool = False, cuda_graphs: str = "auto"
+) -> Check:
+    """The kernels the target forward will run (attention, linear attention, experts), whether it
+    replays CUDA graphs, and what a missing optional extra costs; a missing extra is a warning,
+    not a failure."""
     from dflash_mp.models.target import load_target_config
     from dflash_mp.models.target_kernels import describe_kernels, format_kernels
 
@@ -256,6 +266,8 @@ def check_target_kernels(target_path: str, on_gpu: bool, trust_remote_code: bool
     except Exception as e:  # an unknown model type: the load itself will say more
         return Check("kernels", True, f"warning: cannot read the target's config ({type(e).__name__}: {e})")
     kernels = describe_kernels(config, on_gpu)
+    if on_gpu:  # a tensor-parallel target runs eagerly whatever this says (its rank logs so)
+        kernels["CUDA graphs"] = "no" if str(cuda_graphs).lower() == "false" else "one per input shape"
     slow = "torch fallback" in kernels.get("linear_attention", "")
     return Check("kernels", True, ("warning: " if slow else "") + format_kernels(kernels))
 
