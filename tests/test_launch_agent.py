@@ -124,6 +124,11 @@ def test_with_a_gpu_visible_the_ranks_start_as_fresh_interpreters_and_train(tmp_
     log = (run / "logs" / "job.log").read_text()
     assert proc.returncode == 0, log[-5000:]
     assert "rank(s) as fresh interpreters" in log and "job succeeded" in log, log[-5000:]
+    # The target's forward runs from CUDA graphs (train.cuda_graphs=auto), captured once per shape.
+    rank_log = "".join(path.read_text() for path in (run / "logs").glob("rank*.log"))
+    assert "CUDA graphs: one per input shape" in rank_log, rank_log[-3000:]
+    assert "captured the target forward for input shape" in rank_log, rank_log[-3000:]
+    assert "CUDA graphs off" not in rank_log
 
 
 def test_the_agent_refuses_a_job_it_was_not_built_for():

@@ -52,14 +52,17 @@ def test_replayed_graphs_equal_the_eager_forward_for_every_shape(family: str) ->
     extractor.use_fast_kernels()
     extractor.compile_layers()
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 128, shape, generator=g).cuda() for shape in [(1, 128), (2, 192), (1, 128)]]
+    shapes = [(1, 128), (2, 192), (1, 128), (2, 256)]
+    batches = [torch.randint(0, 128, shape, generator=g).cuda() for shape in shapes]
     eager = [extractor(ids) for ids in batches]
-    extractor.use_cuda_graphs()
+    extractor.use_cuda_graphs(max_tokens=2 * 192)
     for _ in range(2):  # the first pass captures, the second replays (shapes interleaved)
-        for ids, expected in zip(batches, eager, strict=True):
-            torch.testing.assert_close(extractor(ids), expected, atol=0, rtol=0)
+        outputs = [extractor(ids) for ids in batches]  # all kept: each a copy, not the shared storage
+        for output, expected in zip(outputs, eager, strict=True):
+            torch.testing.assert_close(output, expected, atol=0, rtol=0)
     assert extractor.cuda_graphs_off_because is None
     assert sorted(extractor._graphed.graphs) == [(1, 128), (2, 192)]
+    assert extractor._graphed.eager_shapes == {(2, 256)}  # over max_tokens: eager, still right
     torch._dynamo.reset()
 
 

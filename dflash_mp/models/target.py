@@ -220,9 +220,14 @@ class TargetFeatureExtractor(nn.Module):
 
         return hook
 
-    def use_cuda_graphs(self, max_graphs: int = 64) -> None:
-        """Replay the forward from CUDA graphs, one per input shape (models/target_graphs.py)."""
-        self._graphed = target_graphs.GraphedForward(self._forward_eager, max_graphs)
+    def use_cuda_graphs(self, max_tokens: int = 0, max_graphs: int = 64) -> None:
+        """Replay the forward from CUDA graphs, one per input shape (models/target_graphs.py);
+        `max_tokens`: the most tokens (batch x length) of any call, which sizes the output
+        storage the graphs share (0: the first call's)."""
+        feature_size = self.hidden_size * len(self.layer_ids)
+        self._graphed = target_graphs.GraphedForward(
+            self._forward_eager, max_graphs, max_tokens * feature_size
+        )
 
     @property
     def cuda_graphs_off_because(self) -> str | None:

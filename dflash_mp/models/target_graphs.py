@@ -75,30 +75,34 @@ class GraphedForward:
     """`forward(input_ids) -> features` replayed from one CUDA graph per input shape.
 
     The first call of a shape runs eagerly twice (compiled code and autotuned kernels settle)
-    and captures; later calls copy the ids in, replay, and return a copy of the output. A
-    capture that fails (an operation that cannot be captured) turns graphs off for the rest of
-    the job with one warning naming the cause; the eager forward keeps running. Shapes beyond
-    `max_graphs` run eagerly.
+    and captures; later calls copy the ids in, replay, and return a copy of the output. Every
+    graph writes its output into one storage of `output_elements` (or the first output's size),
+    so graphs cost no memory per shape beyond their pool; a shape whose output does not fit, and
+    shapes beyond `max_graphs`, run eagerly. A capture that fails (an operation that cannot be
+    captured) turns graphs off for the rest of the job with one warning naming the cause; the
+    eager forward keeps running.
     """
 
-    def __init__(self, forward: Forward, max_graphs: int = 64) -> None:
+    def __init__(self, forward: Forward, max_graphs: int = 64, output_elements: int = 0) -> None:
         self.forward = forward
         self.max_graphs = max_graphs
+        self.output_elements = output_elements
         self.graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.eager_shapes: set[tuple[int, ...]] = set()
         self.pool = torch.cuda.graph_pool_handle()
+        self.output: torch.Tensor | None = None  # the storage every graph's output is a view of
         self.off_because: str | None = None
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.off_because is not None or not input_ids.is_cuda:
-            return self.forward(input_ids)
         key = tuple(input_ids.shape)
+        if self.off_because is not None or not input_ids.is_cuda or key in self.eager_shapes:
+            return self.forward(input_ids)
         entry = self.graphs.get(key)
         if entry is None:
-            if len(self.graphs) >= self.max_graphs:
-                return self.forward(input_ids)
-            entry = self._capture(input_ids)
+            entry = self._capture(input_ids) if len(self.graphs) < self.max_graphs else None
             if entry is None:
+                self.eager_shapes.add(key)
                 return self.forward(input_ids)
         graph, static_ids, static_features = entry
         static_ids.copy_(input_ids)
@@ -111,12 +115,23 @@ class GraphedForward:
         side.wait_stream(torch.cuda.current_stream(input_ids.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.forward(static_ids)
+                eager = self.forward(static_ids)
         torch.cuda.current_stream(input_ids.device).wait_stream(side)
+        if self.output is None:
+            size = max(self.output_elements, eager.numel())
+            self.output = torch.empty(size, dtype=eager.dtype, device=eager.device)
+        if eager.numel() > self.output.numel() or eager.dtype != self.output.dtype:
+            log.info(
+                "target forward of input shape %s runs eagerly (its output exceeds the graphs')",
+                list(input_ids.shape),
+            )
+            return None
+        static_features = self.output[: eager.numel()].view(eager.shape)
+        del eager
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                static_features = self.forward(static_ids)
+                static_features.copy_(self.forward(static_ids))
         except Exception as e:  # noqa: BLE001 - any capture failure leaves the eager forward correct
             self.off_because = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self.graphs.clear()

@@ -79,7 +79,8 @@ def make_feature_extractor(
     plans = extractor.compile_layers() if compile_layers else {}
     graphs = target_cuda_graphs(cfg, device, mesh)
     if graphs:
-        extractor.use_cuda_graphs()
+        width = -(-cfg.data.max_length // cfg.data.pad_to_multiple) * cfg.data.pad_to_multiple
+        extractor.use_cuda_graphs(max_tokens=cfg.train.micro_batch_size * width)
     get_logger().info(
         "target kernels: %s; compiled: %s; CUDA graphs: %s",
         format_kernels(kernels),
