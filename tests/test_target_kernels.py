@@ -278,3 +278,26 @@ def test_compiled_deltanet_layers_route_their_convolution_and_keep_hf_features(m
     with torch.no_grad():
         other.decoder(input_ids=ids, use_cache=False)
     assert calls == []
+
+
+@pytest.mark.parametrize("num_experts", [256, 300])
+def test_expert_ids_past_eight_bits_are_grouped_by_expert_too(num_experts: int) -> None:
+    """The sort keys are as narrow as the expert count allows (uint8 up to 256 experts, else
+    int16): the highest ids (255; 298 and 299) must not wrap onto low experts."""
+    from dflash_mp.models import moe_experts
+
+    assert moe_experts.register()
+    config = _qwen3_moe()
+    config.num_experts = num_experts
+    config._experts_implementation = "eager"
+    extractor = TargetFeatureExtractor.build_random(config, [0], torch.float32, "cpu", seed=6)
+    experts = extractor.decoder.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randn(6, config.hidden_size, generator=g)
+    high = [num_experts - 1, 255, 0, 1, num_experts - 2, 254]
+    index = torch.tensor([[high[i], high[(i + 1) % 6]] for i in range(6)])
+    weights = torch.rand(6, 2, generator=g)
+    with torch.no_grad():
+        expected = experts(tokens, index, weights)  # transformers' eager loop
+        ours = moe_experts.grouped_experts_forward(experts, tokens, index, weights)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)

@@ -42,10 +42,13 @@ def grouped_experts_forward(
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     tokens, top_k = top_k_index.shape
     expert_ids = top_k_index.reshape(-1)
-    expert_ids_sorted, perm = torch.sort(expert_ids)
+    # The sort's keys in the fewest bits that hold an expert id: a GPU radix sort makes one pass
+    # per 8 bits of key (8 for int64: 5% of a Qwen3-30B-A3B forward on an H200).
+    keys, perm = torch.sort(expert_ids.to(_key_dtype(self.num_experts)), stable=True)
+    expert_ids_sorted = keys.int()  # an index, never a uint8 mask
     rows = hidden_states[perm // top_k]
     # histc, not bincount: no host sync (CUDA takes ints, CPU floats).
-    counts_input = expert_ids_sorted.int() if hidden_states.is_cuda else expert_ids_sorted.float()
+    counts_input = expert_ids_sorted if hidden_states.is_cuda else expert_ids_sorted.float()
     per_expert = torch.histc(counts_input, bins=self.num_experts, min=0, max=self.num_experts - 1)
     offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
 
@@ -69,3 +72,9 @@ def grouped_experts_forward(
     for j in range(1, top_k):
         combined = combined + out[position[:, j]].float() * weights[:, j : j + 1]
     return combined.to(hidden_states.dtype)
+
+
+def _key_dtype(num_experts: int) -> torch.dtype:
+    if num_experts <= 256:
+        return torch.uint8
+    return torch.int16 if num_experts <= 2**15 else torch.int32
