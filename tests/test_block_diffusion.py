@@ -381,6 +381,24 @@ def test_chunked_loss_matches_unchunked(chunk_tokens: int) -> None:
     assert (chunked_hidden_grad.view(2, 5, BLOCK, HIDDEN)[weights == 0] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("multiplier", "softcap"), [(1.0, None), (0.5, 30.0)])
+def test_the_eager_ce_and_gradient_are_the_compiled_expressions_to_the_bit(
+    dtype: torch.dtype, multiplier: float, softcap: float | None
+) -> None:
+    """The CPU path's fewer passes (`_ce_and_grad_eager`) give exactly `_ce_and_grad`'s numbers."""
+    from dflash_mp.objective.block_diffusion import _ce_and_grad, _ce_and_grad_eager
+
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(13, 1000, generator=generator) * 3).to(dtype)
+    labels, scale = torch.randint(0, 1000, (13,), generator=generator), torch.rand(13, generator=generator)
+    expected = _ce_and_grad(logits, labels, scale, multiplier, softcap)
+    for got, want in zip(
+        _ce_and_grad_eager(logits, labels, scale, multiplier, softcap), expected, strict=True
+    ):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def test_chunked_loss_has_static_shapes_and_never_reads_the_device() -> None:
     hidden, head, labels, weights = (t.detach().to("meta") for t in loss_problem())
     hidden.requires_grad_(True)
