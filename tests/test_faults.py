@@ -421,6 +421,11 @@ def test_under_plain_torchrun_the_drafter_names_the_stopped_target(tmp_path):
             assert proc.poll() is None, f"the job ended early:\n{last_lines(run, 30)}"
             target = read_heartbeats(run)[0]
             os.kill(target["pid"], signal.SIGSTOP)
+            blamed = lambda: read_heartbeats(run)[1]["blame"] is not None  # noqa: E731
+            wait_until(lambda: blamed() or proc.poll() is not None, 120, "the drafter to name the target")
+            # Named: the frozen target goes now. torchrun would SIGKILL it only after 30 s (its
+            # teardown after a failed worker ignores TORCH_ELASTIC_SHUTDOWN_TIMEOUT).
+            os.kill(target["pid"], signal.SIGKILL)
             assert proc.wait(timeout=120) != 0
         finally:
             for pid in leftovers(run, proc.pid):
