@@ -167,6 +167,13 @@ class AgentZygote:
         try:
             import torch  # noqa: F401  (what the preflight imports anyway)
             import transformers  # noqa: F401
+
+            # What the preflight and every rank both import (configs, data, the target stage):
+            # imported once here rather than in the launcher and again in the standby (0.5 CPU-s).
+            import dflash_mp.data  # noqa: F401
+            import dflash_mp.evaluation.acceptance  # noqa: F401
+            import dflash_mp.models.drafter_config  # noqa: F401
+            import dflash_mp.models.target  # noqa: F401
         except Exception:  # a broken install: the preflight's import check names it
             return None
         if threading.active_count() != 1 or start_method() != "fork":
