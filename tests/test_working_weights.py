@@ -92,7 +92,7 @@ def test_evaluation_computes_with_the_masters() -> None:
         assert torch.equal(ours, reference.drafter.fc(features))
 
 
-def _data_parallel(rank: int, port: int, grad_accum: int, results) -> None:
+def _data_parallel(rank: int, port: int, grad_accums: tuple[int, ...], results) -> None:
     import os
 
     import torch.distributed as dist
@@ -100,24 +100,27 @@ def _data_parallel(rank: int, port: int, grad_accum: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        working, reference = _trainers(grad_accum, group=dist.group.WORLD)
-        batch = _micro_batch(working.cfg)
-        # Different data per drafter, so the all-reduce has something to average.
-        batch = batch if rank == 0 else type(batch)(**{**vars(batch), "sample_ids": batch.sample_ids + 7})
-        for _ in range(2):
-            ours, theirs = _step(working, [batch] * grad_accum), _step(reference, [batch] * grad_accum)
-            assert ours["grad_norm"] == theirs["grad_norm"]
-        _assert_same_training(working, reference)
-        results[rank] = True
+        for grad_accum in grad_accums:
+            working, reference = _trainers(grad_accum, group=dist.group.WORLD)
+            batch = _micro_batch(working.cfg)
+            # Different data per drafter, so the all-reduce has something to average.
+            if rank == 1:
+                batch = type(batch)(**{**vars(batch), "sample_ids": batch.sample_ids + 7})
+            for _ in range(2):
+                ours, theirs = _step(working, [batch] * grad_accum), _step(reference, [batch] * grad_accum)
+                assert ours["grad_norm"] == theirs["grad_norm"]
+            _assert_same_training(working, reference)
+            results[rank, grad_accum] = True
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_data_parallel_drafters_reduce_working_gradients_in_fp32(grad_accum) -> None:
+def test_data_parallel_drafters_reduce_working_gradients_in_fp32() -> None:
+    """Accumulating over 1 and 2 micro-batches, in one pair of spawned processes (each costs seconds
+    of imports)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(_data_parallel, args=(port, grad_accum, results), nprocs=2, join=True)
-    assert dict(results) == {0: True, 1: True}
+    mp.spawn(_data_parallel, args=(port, (1, 2), results), nprocs=2, join=True)
+    assert dict(results) == {(rank, accum): True for rank in (0, 1) for accum in (1, 2)}
