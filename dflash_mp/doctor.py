@@ -79,13 +79,15 @@ def preflight(
         if checks[0].ok and checks[-1].ok:
             import torch
 
+            from dflash_mp.config.precision import resolve_cuda_graphs
+
             on_gpu = cfg.train.device != "cpu" and torch.cuda.is_available()
             checks.append(
                 check_target_kernels(
                     cfg.model.target_path,
                     on_gpu,
                     cfg.model.trust_remote_code,
-                    cuda_graphs=cfg.train.cuda_graphs,
+                    cuda_graphs=resolve_cuda_graphs(cfg, torch.device("cuda"), tensor_parallel=False),
                 )
             )
         checks.append(check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite))
@@ -253,7 +255,7 @@ def check_target(target_path: str) -> Check:
 
 
 def check_target_kernels(
-    target_path: str, on_gpu: bool, trust_remote_code: bool = False, cuda_graphs: str = "auto"
+    target_path: str, on_gpu: bool, trust_remote_code: bool = False, cuda_graphs: bool = True
 ) -> Check:
     """The kernels the target forward will run (attention, linear attention, experts), whether it
     replays CUDA graphs, and what a missing optional extra costs; a missing extra is a warning,
@@ -267,7 +269,7 @@ def check_target_kernels(
         return Check("kernels", True, f"warning: cannot read the target's config ({type(e).__name__}: {e})")
     kernels = describe_kernels(config, on_gpu)
     if on_gpu:  # a tensor-parallel target runs eagerly whatever this says (its rank logs so)
-        kernels["CUDA graphs"] = "no" if str(cuda_graphs).lower() == "false" else "one per input shape"
+        kernels["CUDA graphs"] = "one per input shape" if cuda_graphs else "no"
     slow = "torch fallback" in kernels.get("linear_attention", "")
     return Check("kernels", True, ("warning: " if slow else "") + format_kernels(kernels))
 

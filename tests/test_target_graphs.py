@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
+from dflash_mp.config.precision import resolve_cuda_graphs
 from dflash_mp.config.schema import compose_config, to_dataclass
 from dflash_mp.models import target_graphs
 from dflash_mp.models.target import TargetFeatureExtractor
-from dflash_mp.runtime.roles import target_cuda_graphs
 from tests.test_target_kernels import FAMILIES
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -25,11 +25,11 @@ def _qwen3() -> Qwen3Config:
 def test_graphs_are_on_for_a_gpu_target_unless_sharded_or_turned_off() -> None:
     cfg = to_dataclass(compose_config())
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert target_cuda_graphs(cfg, cuda, None)
-    assert not target_cuda_graphs(cfg, cpu, None)
-    assert not target_cuda_graphs(cfg, cuda, mesh=object())  # a tensor-parallel replica: eager
+    assert resolve_cuda_graphs(cfg, cuda, tensor_parallel=False)
+    assert not resolve_cuda_graphs(cfg, cpu, tensor_parallel=False)
+    assert not resolve_cuda_graphs(cfg, cuda, tensor_parallel=True)  # a tensor-parallel replica: eager
     cfg = to_dataclass(compose_config(["train.cuda_graphs=false"]))
-    assert not target_cuda_graphs(cfg, cuda, None)
+    assert not resolve_cuda_graphs(cfg, cuda, tensor_parallel=False)
 
 
 def test_masks_take_rows_as_single_sequences_only_within_the_context() -> None:

@@ -198,7 +198,7 @@ def test_doctor_names_the_kernels_and_the_missing_extra(tmp_path, monkeypatch: p
         and f"experts: {EXPERTS_IMPLEMENTATION}" in check.message
         and "CUDA graphs: one per input shape" in check.message
     )
-    assert "CUDA graphs: no" in check_target_kernels(str(sinks), on_gpu=True, cuda_graphs="false").message
+    assert "CUDA graphs: no" in check_target_kernels(str(sinks), on_gpu=True, cuda_graphs=False).message
     assert "CUDA graphs" not in check_target_kernels(str(sinks), on_gpu=False).message
     assert check_target_kernels(str(tmp_path / "absent"), on_gpu=True).message.startswith(
         "warning: cannot read"

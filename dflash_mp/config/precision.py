@@ -1,4 +1,5 @@
-"""What train.dtype, train.attention and train.compile resolve to on a device ("auto" included)."""
+"""What train.dtype, train.attention, train.compile and train.cuda_graphs resolve to on a device ("auto"
+included)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,9 @@ def resolve_precision(cfg: RootConfig, device: torch.device) -> tuple[torch.dtyp
         attention = "flash" if flash else ("flex" if on_gpu else "sdpa")
     compile_flag = str(cfg.train.compile).lower()
     return dtype, attention, (on_gpu if compile_flag == "auto" else compile_flag == "true")
+
+
+def resolve_cuda_graphs(cfg: RootConfig, device: torch.device, tensor_parallel: bool) -> bool:
+    """Whether the target forward replays CUDA graphs: train.cuda_graphs with "auto" resolved. A
+    tensor-parallel replica runs eagerly (its collectives are not captured)."""
+    return device.type == "cuda" and not tensor_parallel and str(cfg.train.cuda_graphs).lower() != "false"

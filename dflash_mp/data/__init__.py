@@ -31,6 +31,7 @@ from dflash_mp.data.reader import (
     Sample,
     TooLong,
     collate,
+    padded_width,
     parse_record,
 )
 from dflash_mp.data.records import ACCEPTED_FORMATS, Conversation, TextRecord
@@ -39,6 +40,7 @@ from dflash_mp.data.sources import Records, input_problem, open_records
 __all__ = [
     "ACCEPTED_FORMATS",
     "MIN_RECORDS_TO_JUDGE",
+    "padded_width",
     "BadRecord",
     "ChatRenderer",
     "load_renderer",

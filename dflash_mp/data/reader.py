@@ -98,6 +98,11 @@ class MicroBatch:
         return self.input_ids.shape[0]
 
 
+def padded_width(length: int, pad_to_multiple: int) -> int:
+    """`length` rounded up to a multiple of `pad_to_multiple` (data.pad_to_multiple)."""
+    return -(-length // pad_to_multiple) * pad_to_multiple
+
+
 def collate(
     index: int, epoch: int, samples: list[Sample], pad_id: int, pad_to_multiple: int = 1
 ) -> MicroBatch:
@@ -107,7 +112,7 @@ def collate(
     recompilations of the compiled drafter and flex_attention masks on GPU.
     """
     lengths = [len(sample.input_ids) for sample in samples]
-    width = -(-max(lengths, default=0) // pad_to_multiple) * pad_to_multiple
+    width = padded_width(max(lengths, default=0), pad_to_multiple)
     input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     loss_mask = torch.zeros((len(samples), width), dtype=torch.uint8)
     for row, sample in enumerate(samples):

@@ -138,10 +138,10 @@ class GraphedForward:
             torch.cuda.synchronize(input_ids.device)
             log.warning("CUDA graphs off for the target forward (eager from now on): %s", self.off_because)
             return None
-        self.graphs[tuple(input_ids.shape)] = (graph, static_ids, static_features)
+        entry = self.graphs[tuple(input_ids.shape)] = (graph, static_ids, static_features)
         log.info(
             "captured the target forward for input shape %s (%d graphs)",
             list(input_ids.shape),
             len(self.graphs),
         )
-        return self.graphs[tuple(input_ids.shape)]
+        return entry

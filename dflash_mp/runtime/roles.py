@@ -7,8 +7,9 @@ import itertools
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from dflash_mp.config.precision import resolve_cuda_graphs
 from dflash_mp.config.schema import RootConfig, read_target_config, resolved_target_layer_ids
-from dflash_mp.data import MicroBatch, MicroBatchReader, Records, micro_batches_per_epoch
+from dflash_mp.data import MicroBatch, MicroBatchReader, Records, micro_batches_per_epoch, padded_width
 from dflash_mp.data.chat import load_renderer
 from dflash_mp.run.logs import get_logger
 from dflash_mp.runtime.distributed import Job
@@ -77,10 +78,12 @@ def make_feature_extractor(
     # The fast kernels are the GPU default, like compiling; a CPU target stays on HF's own paths.
     kernels = extractor.use_fast_kernels() if device.type == "cuda" else {"attention": "HF default (CPU)"}
     plans = extractor.compile_layers() if compile_layers else {}
-    graphs = target_cuda_graphs(cfg, device, mesh)
+    graphs = resolve_cuda_graphs(cfg, device, tensor_parallel=mesh is not None)
     if graphs:
-        width = -(-cfg.data.max_length // cfg.data.pad_to_multiple) * cfg.data.pad_to_multiple
+        width = padded_width(cfg.data.max_length, cfg.data.pad_to_multiple)
         extractor.use_cuda_graphs(max_tokens=cfg.train.micro_batch_size * width)
+    elif mesh is not None and str(cfg.train.cuda_graphs).lower() == "true":
+        get_logger().warning("train.cuda_graphs=true: a tensor-parallel target runs without graphs")
     get_logger().info(
         "target kernels: %s; compiled: %s; CUDA graphs: %s",
         format_kernels(kernels),
@@ -88,19 +91,6 @@ def make_feature_extractor(
         "one per input shape" if graphs else "no",
     )
     return extractor
-
-
-def target_cuda_graphs(cfg: RootConfig, device: torch.device, mesh: DeviceMesh | None) -> bool:
-    """Whether the target forward replays CUDA graphs: train.cuda_graphs, "auto" resolved. A
-    tensor-parallel replica runs eagerly (its collectives are not captured)."""
-    flag = str(cfg.train.cuda_graphs).lower()
-    if device.type != "cuda" or flag == "false":
-        return False
-    if mesh is not None:
-        if flag == "true":
-            get_logger().warning("train.cuda_graphs=true: a tensor-parallel target runs without graphs")
-        return False
-    return True
 
 
 def hidden_states_for_drafter(extractor, batch: MicroBatch, dtype: torch.dtype, device: torch.device):
