@@ -10,7 +10,10 @@
   torch reference. Those layers are not compiled whole (compiled whole they ran slower than eager
   on an H200); their MLP and norms are, and without the `causal-conv1d` package their short
   causal convolution runs as K shifted multiply-adds compiled into one kernel (torch's depthwise
-  conv1d took 0.44 ms a layer at S=3072 on an H200, 17% of a Qwen3.5-35B-A3B forward).
+  conv1d took 0.44 ms a layer at S=3072 on an H200, 17% of a Qwen3.5-35B-A3B forward). A
+  one-rank Qwen3.5 target on GPU with fla takes models/linear_attention.py's forward instead: the
+  convolution on the projection's own layout, compiled with the q/k/v split, the q/k L2 norm and
+  the gates, into fla's kernels with grouped value heads (no transposes, no copies).
 - Mixture-of-experts: transformers' grouped-GEMM experts (torch._grouped_mm) instead of a loop,
   with the combine of each token's top-k outputs as one pointwise kernel (models/moe_experts.py).
 """
@@ -27,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash_mp.models import moe_experts
+from dflash_mp.models import linear_attention, moe_experts
 
 SINK_ATTENTION = "dflash_sink_flex"
 
@@ -48,10 +51,16 @@ def _flex_outside_graphs():
 FLA_GAIN = "Qwen3.5-9B's forward takes 222 ms with the torch fallback, 111 ms with fla-core 0.6.0"
 
 
-def linear_attention_kernels() -> str:
-    """What gated-deltanet layers run here: fla's Triton kernels or transformers' torch fallback."""
+FAST_LINEAR_ATTENTION = "fla Triton kernels (GVA, fused short convolution)"
+
+
+def linear_attention_kernels(fast_forward: bool = False) -> str:
+    """What gated-deltanet layers run here: fla's Triton kernels or transformers' torch fallback;
+    `fast_forward`: behind models/linear_attention.py's forward (one-rank Qwen3.5 on GPU)."""
     if importlib.util.find_spec("fla") is None:
         return f"torch fallback (install the `linear` extra, fla-core: {FLA_GAIN})"
+    if fast_forward:
+        return FAST_LINEAR_ATTENTION
     conv = "causal-conv1d" if _has_causal_conv1d() else "shifted multiply-adds, compiled"
     return f"fla Triton kernels (short convolution: {conv})"
 
@@ -77,7 +86,9 @@ def describe_kernels(config: Any, on_gpu: bool) -> dict[str, str]:
             "flex_attention with sinks (exact lse rescale)" if on_gpu else "eager with sinks (CPU)"
         )
     if has_linear_attention(config):
-        kernels["linear_attention"] = linear_attention_kernels()
+        # A tensor-parallel target keeps transformers' forward (its ranks log what they run).
+        fast = on_gpu and linear_attention.fast_path_model(config)
+        kernels["linear_attention"] = linear_attention_kernels(fast_forward=fast)
     if is_moe(config):
         kernels["experts"] = moe_experts.EXPERTS_IMPLEMENTATION if moe_experts.register() else "grouped_mm"
     return kernels
@@ -99,7 +110,10 @@ def use_fast_kernels(decoder: nn.Module) -> dict[str, str]:
             decoder.set_experts_implementation(moe_experts.EXPERTS_IMPLEMENTATION)
     kernels = {"attention": _ATTENTION_NAMES.get(config._attn_implementation, config._attn_implementation)}
     if has_linear_attention(config):
-        kernels["linear_attention"] = linear_attention_kernels()
+        # Per module: Qwen3.5's on CUDA with fla, unsharded; others keep transformers' forward.
+        layers = [getattr(layer, "linear_attn", None) for layer in decoder.layers]
+        fast = [linear_attention.use_fast_forward(m) for m in layers if m is not None]
+        kernels["linear_attention"] = linear_attention_kernels(fast_forward=any(fast))
     if is_moe(config):
         kernels["experts"] = str(getattr(config, "_experts_implementation", None) or "eager")
     return kernels
@@ -118,7 +132,8 @@ def compile_layers(layers: nn.ModuleList, **compile_options: Any) -> dict[str, i
             layer.compile(**compile_options)
             plans["whole layer"] += 1
             continue
-        route_short_convolution(linear)
+        if not linear_attention.use_fast_forward(linear):  # its convolution is compiled already
+            route_short_convolution(linear)
         parts = [layer.mlp, layer.input_layernorm, layer.post_attention_layernorm]
         parts += [m for m in [getattr(linear, "norm", None)] if m is not None]
         for part in parts:
