@@ -4,7 +4,9 @@ the switch is taken only where it should be."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib
 
 import pytest
 import torch
@@ -182,6 +184,18 @@ needs_fla_on_cuda = pytest.mark.skipif(
 )
 
 
+@contextlib.contextmanager
+def _torch_recurrence():
+    """transformers' torch recurrence for the fp32 truth on CPU: with fla installed its wrapper sends
+    CPU tensors to fla's Triton kernels, which need CUDA."""
+    with pytest.MonkeyPatch.context() as patch:
+        for moe in (False, True):
+            module = importlib.import_module(_deltanet_class(moe).__module__)
+            chunk = module.torch_chunk_gated_delta_rule
+            patch.setattr(module, "torch_chunk_gated_delta_rule", getattr(chunk, "__wrapped__", chunk))
+        yield
+
+
 @pytest.mark.gpu
 @needs_fla_on_cuda
 @pytest.mark.parametrize(("moe", "value_heads"), CASES)
@@ -189,7 +203,7 @@ def test_switched_layer_matches_transformers_fla_path_in_bf16(moe: bool, value_h
     """Against transformers' own GPU path (fla) on the same bf16 weights, and both against fp32."""
     fp32 = _module(moe, value_heads)
     x = torch.randn(2, 300, 64, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
+    with torch.no_grad(), _torch_recurrence():
         truth = fp32(x)  # transformers' torch path on CPU, fp32
     reference = copy.deepcopy(fp32).to("cuda", torch.bfloat16)
     module = copy.deepcopy(fp32).to("cuda", torch.bfloat16)
@@ -245,7 +259,8 @@ def test_compiled_target_with_the_fast_forward_matches_transformers(moe: bool) -
 
     ids = torch.randint(0, 128, (2, 192), generator=torch.Generator().manual_seed(0))
     source = _fp32_target(moe)
-    truth = source(ids)
+    with _torch_recurrence():
+        truth = source(ids)
     ids = ids.cuda()
     hf_error = _relative_error(_bf16_copy(source, switch=False)(ids).cpu(), truth)
     extractor = _bf16_copy(source, switch=True)
