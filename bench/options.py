@@ -7,7 +7,7 @@ import os
 
 import benchlib as bl
 from layout import Layout, LayoutError, resolve_layout
-from sections import DEFAULT_SECTIONS, SECTIONS
+from sections import DEFAULT_SECTIONS, NAMES
 
 DEFAULTS = {  # per shape kind: warm-up and measured iterations
     "gpu": dict(
@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p.add_argument(
         "--sections",
         default=",".join(DEFAULT_SECTIONS),
-        help=f"comma list of {', '.join(SECTIONS)} (default: all but profile; "
+        help=f"comma list of {', '.join(NAMES)} (default: all but profile; "
         "target_parallel_check runs with --target-parallel > 1)",
     )
     p.add_argument(
@@ -127,12 +127,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     ):
         setattr(args, key, max(1, getattr(args, key)))
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = sorted(set(args.sections) - set(SECTIONS))
+    unknown = sorted(set(args.sections) - set(NAMES))
     if unknown:
-        p.error(f"unknown sections {unknown}; known: {', '.join(SECTIONS)}")
+        p.error(f"unknown sections {unknown}; known: {', '.join(NAMES)}")
     if args.fault:
         parts = args.fault.split(":")
-        if len(parts) not in (3, 4) or parts[0] not in SECTIONS or parts[2] not in ("raise", "hang"):
+        if len(parts) not in (3, 4) or parts[0] not in NAMES or parts[2] not in ("raise", "hang"):
             p.error("--fault is SECTION:RANK:raise|hang[:CALL]")
         args.fault = (parts[0], int(parts[1]), parts[2], int(parts[3]) if len(parts) == 4 else 0)
     return args

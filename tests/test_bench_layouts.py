@@ -121,8 +121,15 @@ def test_projection_counts_target_gpus_in_whole_replicas() -> None:
 
 @pytest.mark.slow
 def test_tensor_parallel_target_replica_feeds_a_drafter(tmp_path) -> None:
+    # Short sections (the assertions are about the layout, not the rates): a TP=2 forward on CPU
+    # goes through DTensor and is slow.
     proc, result = run_bench(
-        tmp_path, "--targets", "2", "--target-parallel", "2", "--drafters", "1", nproc=3, timeout=150
+        tmp_path,
+        *("--targets", "2", "--target-parallel", "2", "--drafters", "1"),
+        *("--warmup", "1", "--iters", "2", "--pipeline-steps", "2"),
+        *("--colocated-iters", "2", "--transport-iters", "2"),
+        nproc=3,
+        timeout=150,
     )
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     setup, sections = result["setup"], result["sections"]
@@ -176,6 +183,12 @@ def test_one_target_feeds_two_drafters_training_under_ddp(tmp_path) -> None:
         "2",
         "--sections",
         "setup,drafter_only,target_only,pipeline",
+        "--warmup",
+        "1",
+        "--iters",
+        "2",
+        "--pipeline-steps",
+        "2",
         nproc=3,
         timeout=150,
     )
@@ -183,6 +196,8 @@ def test_one_target_feeds_two_drafters_training_under_ddp(tmp_path) -> None:
     sections = result["sections"]
     assert result["setup"]["roles"] == {"0": "target", "1": "drafter", "2": "drafter"}
     assert sections["target_parallel_check"]["status"] == "skipped"
+    for name in ("transport", "colocated"):  # --sections leaves them out
+        assert sections[name] == {"status": "skipped", "reason": "not selected (--sections)"}, name
     drafter = sections["drafter_only"]
     assert drafter["status"] == "ok" and drafter["ddp"] is True and drafter["drafters"] == 2
     assert all(_positive(drafter["per_rank"][r]["samples_per_s"]) for r in ("1", "2"))
@@ -222,6 +237,10 @@ def test_a_drafter_failing_among_several_neither_hangs_the_others_nor_loses_the_
         "--fault",
         "pipeline:2:raise:3",
         "--peer-grace",
+        "2",
+        "--warmup",
+        "1",
+        "--iters",
         "2",
         nproc=3,
         timeout=120,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
+if TYPE_CHECKING:  # imported where used: bench.py reads SHAPES' names before torch is imported
+    import torch
+    from transformers import PretrainedConfig
 
-from dflash_mp.config.schema import RootConfig, compose_config, default_target_layer_ids, to_dataclass
+    from dflash_mp.config.schema import RootConfig
 
 
 @dataclass(frozen=True)
@@ -38,9 +40,13 @@ class Shape:
 
     @property
     def layer_ids(self) -> list[int]:
+        from dflash_mp.config.schema import default_target_layer_ids
+
         return default_target_layer_ids(self.layers, self.draft_layers)
 
     def target_config(self) -> PretrainedConfig:
+        from transformers import LlamaConfig, Qwen3Config
+
         shared = dict(
             hidden_size=self.hidden,
             num_hidden_layers=self.layers,
@@ -103,6 +109,8 @@ def bench_config(
     target_parallel: int = 1,
 ) -> RootConfig:
     """The composed conf/ with this benchmark's shape and layout; model.target_path is never read."""
+    from dflash_mp.config.schema import compose_config, to_dataclass
+
     overrides = [
         "model.target_path=/nonexistent/dflash-bench-random-target",
         f"model.draft_layers={shape.draft_layers}",
