@@ -50,14 +50,33 @@ def _positive(value) -> bool:
     return isinstance(value, (int, float)) and value > 0
 
 
+# Every section, profile included (not a default section: the single-rank run checks that), in one
+# 2-rank run that test_tiny_benchmark_on_cpu_reports_every_section and
+# test_profile_section_reports_device_time_by_phase both read.
+ALL_SECTIONS = (
+    "matmul_peak,setup,drafter_only,target_only,target_parallel_check,profile,pipeline,transport,colocated"
+)
+
+
+@pytest.fixture(scope="module")
+def every_section(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, subprocess.CompletedProcess, dict | None]:
+    tmp_path = tmp_path_factory.mktemp("every_section")
+    trace = tmp_path / "trace.json.gz"
+    proc, result = run_bench(
+        tmp_path, "--sections", ALL_SECTIONS, "--profile-steps", "2", "--profile-trace", str(trace)
+    )
+    return tmp_path, proc, result
+
+
 @pytest.mark.slow
-def test_tiny_benchmark_on_cpu_reports_every_section(tmp_path: Path) -> None:
-    proc, result = run_bench(tmp_path)
+def test_tiny_benchmark_on_cpu_reports_every_section(every_section) -> None:
+    tmp_path, proc, result = every_section
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert result is not None and result["schema"] == "dflash_mp.bench/1"
     sections = result["sections"]
     assert {name: sections[name]["status"] for name in SECTIONS} == dict.fromkeys(SECTIONS, "ok")
-    assert sections["profile"]["status"] == "skipped"  # not a default section
 
     assert all(_positive(sections["matmul_peak"]["per_rank"][r]["tflops"]) for r in ("0", "1"))
     assert _positive(sections["setup"]["target"]["flops_per_seq"])
@@ -113,6 +132,10 @@ def test_a_failing_rank_neither_hangs_the_benchmark_nor_loses_earlier_sections(t
         "pipeline:1:raise:3",
         "--peer-grace",
         "2",
+        "--warmup",
+        "1",
+        "--iters",
+        "2",
         timeout=90,
     )
     assert proc.returncode != 0
@@ -135,6 +158,8 @@ def test_single_rank_runs_both_roles_and_the_colocated_pair(tmp_path: Path) -> N
     sections = result["sections"]
     ran = ("matmul_peak", "setup", "drafter_only", "target_only", "colocated")
     assert {name: sections[name]["status"] for name in ran} == dict.fromkeys(ran, "ok")
+    # profile is not a default section: asked for by name only.
+    assert sections["profile"] == {"status": "skipped", "reason": "not selected (--sections)"}
     for name in ("pipeline", "transport"):
         assert sections[name]["status"] == "skipped", (name, sections[name])
         assert "needs 2 ranks" in sections[name]["reason"], sections[name]["reason"]
@@ -275,20 +300,10 @@ def test_build_random_target_runs_the_layers_it_reads() -> None:
 
 
 @pytest.mark.slow
-def test_profile_section_reports_device_time_by_phase(tmp_path: Path) -> None:
+def test_profile_section_reports_device_time_by_phase(every_section) -> None:
     # Not a default section: asked for by name; on 2 ranks the drafter rank profiles.
+    tmp_path, proc, result = every_section
     trace = tmp_path / "trace.json.gz"
-    proc, result = run_bench(
-        tmp_path,
-        "--sections",
-        "setup,drafter_only,profile",
-        "--iters",
-        "2",
-        "--profile-steps",
-        "2",
-        "--profile-trace",
-        str(trace),
-    )
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     # The raw timeline of the profiled steps, written by the drafter rank that profiled.
     with gzip.open(trace, "rt") as f:
@@ -296,7 +311,7 @@ def test_profile_section_reports_device_time_by_phase(tmp_path: Path) -> None:
     assert any(e.get("name") == "dflash::drafter_forward" for e in events)
     assert result is not None
     sections = result["sections"]
-    assert sections["profile"]["status"] == "ok" and sections["pipeline"]["status"] == "skipped"
+    assert sections["profile"]["status"] == "ok"
     profile = sections["profile"]
     phases = profile["phases_ms_per_step"]
     assert all(ms >= 0 for ms in phases.values()), phases

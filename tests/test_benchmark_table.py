@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from dflash_mp.evaluation.benchmark_table import (
 from dflash_mp.evaluation.prompts import EvalError
 from dflash_mp.export.hf import export_drafter
 from dflash_mp.training.trainer import build_drafter
-from tests.conftest import REPO, job_env, read_metrics, run_train
+from tests.conftest import REPO, read_metrics, run_train
 from tests.drafters import embedded_config, embedded_target
 from tests.test_benchmark_sets import RECORDS, write_jsonl, write_parquet
 
@@ -119,16 +118,21 @@ def test_a_template_with_the_switch_gets_a_row_per_thinking_mode(tiny: dict, set
         plan_table(renderer, benchmarks, target_path, limit=1, max_new_tokens=500)
 
 
-def test_command_line_prints_and_writes_the_table(tiny: dict, sets: dict, tmp_path: Path) -> None:
+def test_command_line_prints_and_writes_the_table(
+    tiny: dict, sets: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # `python -m dflash_mp.eval` is `sys.exit(main())`: its main, in process (a fresh interpreter
+    # would only add torch's and transformers' imports).
     export = export_drafter(tiny["drafter"], tmp_path / "export")
     out = tmp_path / "table.json"
-    command = [
-        sys.executable, "-m", "dflash_mp.eval", str(export),
+    argv = [
+        str(export),
         "--benchmarks", f"gsm8k={sets['gsm8k']}", str(sets["mtbench"]),
         "--limit", "2", "--max-new-tokens", "6", "--top-k", "5", "--out", str(out), "--device", "cpu",
     ]  # fmt: skip
-    proc = subprocess.run(command, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code = main(argv)
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr[-3000:]
     table = json.loads(out.read_text())
     assert table["thinking"] == "no enable_thinking switch"
     assert table["sampling"]["1"]["top_k"] == 5 and table["sampling"]["0"]["source"] == "greedy"
@@ -145,7 +149,7 @@ def test_command_line_prints_and_writes_the_table(tiny: dict, sets: dict, tmp_pa
         )
         assert row["speedup"] > 0 and len(row["acceptance_rate"]) == table["block_size"] - 1
         assert row.get("matches_autoregressive", True) is True
-    lines = proc.stdout.splitlines()
+    lines = stdout.splitlines()
     assert any(line.startswith("benchmark") and "tau" in line and "speedup" in line for line in lines)
     assert sum(line.startswith(("gsm8k ", "mtbench ")) for line in lines) == 4
 
