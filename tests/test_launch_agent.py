@@ -1,6 +1,7 @@
 """On a machine without a GPU the launcher's agent forks the ranks after its imports
 (dflash_mp.launch.agent); a forked rank must end like a fresh interpreter would. The process facts of a live job: test_launch's
-assert_ranks_forked_from_the_agent."""
+assert_ranks_forked_from_the_agent; ranks started as fresh interpreters when asked, training as
+forked ones do: test_runtime_e2e.py::test_ranks_start_as_fresh_interpreters_when_asked."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import sys
 
 import pytest
 
-from dflash_mp.launch import agent
 from tests.conftest import REPO, job_env
 
 RANK_EXIT = """
@@ -23,31 +23,33 @@ out = Path(sys.argv[1])
 atexit.register(lambda: (out / "agent-exit-handler-ran").touch())  # the agent's, not the rank's
 
 def rank():
-    atexit.register(lambda: (out / "rank-exit-handler-ran").touch())
-    (out / "session").write_text(f"{os.getsid(0)} {os.getpid()} {sys.argv[1:]}")
-    if sys.argv[1] == "interrupt":
+    how = sys.argv[1]
+    atexit.register(lambda: (out / f"rank-exit-handler-ran-{how}").touch())
+    (out / f"session-{how}").write_text(f"{os.getsid(0)} {os.getpid()} {sys.argv[1:]}")
+    if how == "interrupt":
         raise KeyboardInterrupt
-    sys.exit(int(sys.argv[1]))
+    sys.exit(int(how))
 
 train.main = rank
-pid = os.fork()  # as torchrun's fork start method does; the child then runs the rank
-if pid == 0:
-    code = 0
-    try:
-        agent._rank_main(sys.argv[2])
-    except SystemExit as e:  # what multiprocessing's child bootstrap does, then os._exit
-        code = e.code
-    finally:
-        os._exit(code)
-_, status = os.waitpid(pid, 0)
-print(os.waitstatus_to_exitcode(status))
+for how in sys.argv[2:]:  # one rank after the other, each forked from this (unchanged) agent
+    pid = os.fork()  # as torchrun's fork start method does; the child then runs the rank
+    if pid == 0:
+        code = 0
+        try:
+            agent._rank_main(how)
+        except SystemExit as e:  # what multiprocessing's child bootstrap does, then os._exit
+            code = e.code
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    print(how, os.waitstatus_to_exitcode(status))
 os._exit(0)
 """
 
 
-def _run_forked_rank(tmp_path, how: str) -> tuple[int, str]:
+def _run_forked_ranks(tmp_path, *hows: str) -> dict[str, int]:
     proc = subprocess.run(
-        [sys.executable, "-c", RANK_EXIT, str(tmp_path), how],
+        [sys.executable, "-c", RANK_EXIT, str(tmp_path), *hows],
         cwd=REPO,
         env=job_env(),
         capture_output=True,
@@ -55,48 +57,19 @@ def _run_forked_rank(tmp_path, how: str) -> tuple[int, str]:
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    return int(proc.stdout.split()[-1]), (tmp_path / "session").read_text()
+    return {how: int(code) for how, code in (line.split() for line in proc.stdout.splitlines())}
 
 
 def test_a_forked_rank_ends_as_a_fresh_interpreter_would(tmp_path):
     """Its own exit handlers run and the agent's do not; it leads its own session; an uncaught
     Ctrl-C ends it by SIGINT (multiprocessing alone would report exit 0); sys.exit codes pass."""
-    code, session = _run_forked_rank(tmp_path, "interrupt")
-    assert code == -signal.SIGINT
-    sid, pid, argv = session.split(" ", 2)
-    assert sid == pid and argv == "['interrupt']"
-    assert (tmp_path / "rank-exit-handler-ran").exists()
+    codes = _run_forked_ranks(tmp_path, "interrupt", "3")
+    assert codes == {"interrupt": -signal.SIGINT, "3": 3}
+    for how in codes:
+        sid, pid, argv = (tmp_path / f"session-{how}").read_text().split(" ", 2)
+        assert sid == pid and argv == f"[{how!r}]"
+        assert (tmp_path / f"rank-exit-handler-ran-{how}").exists()
     assert not (tmp_path / "agent-exit-handler-ran").exists()
-    (tmp_path / "rank-exit-handler-ran").unlink()
-    code, _ = _run_forked_rank(tmp_path, "3")
-    assert code == 3 and (tmp_path / "rank-exit-handler-ran").exists()
-
-
-@pytest.mark.slow
-def test_ranks_start_as_fresh_interpreters_when_asked(tmp_path, monkeypatch):
-    """DFLASH_MP_RANK_START=fresh (and any visible GPU) makes the agent plain torchrun: every rank a
-    fresh interpreter; the job trains as with forked ranks."""
-    monkeypatch.setenv(agent.RANK_START_ENV, "fresh")
-    assert agent.start_method() == "fresh"
-    monkeypatch.delenv(agent.RANK_START_ENV)
-    assert agent.start_method() == "fork"  # no GPU here
-    run = tmp_path / "fresh"
-    env = {**job_env(), agent.RANK_START_ENV: "fresh"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "dflash_mp.train",
-        f"run_dir={run}",
-        "train.max_steps=2",
-        "eval.every=0",
-        "train.export=false",
-        "topology.targets=1",
-        "topology.drafters=1",
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    log = (run / "logs" / "job.log").read_text()
-    assert "job succeeded" in log and "starting 2 rank(s) as fresh interpreters" in log
 
 
 @pytest.mark.gpu

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from dflash_mp.config.schema import compose_config, to_dataclass
 from dflash_mp.embedded import embedded_path
+from dflash_mp.launch import agent
 from dflash_mp.run import checkpoint
 from dflash_mp.runtime.watchdog import FAULT_ENV, read_heartbeats
 from tests.conftest import REPO, job_env, read_metrics, run_train
@@ -47,7 +48,9 @@ def data_with_bad_line(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, data_with_bad_line) -> dict[str, Path]:
-    """The same training as 2+1, 1+1 (accum 2), 1+2 (accum 1) and 2 colocated ranks (accum 1)."""
+    """The same training as 2+1, 1+1 (accum 2), 1+2 (accum 1) and 2 colocated ranks (accum 1).
+    The 1+1 job's ranks start as fresh interpreters (DFLASH_MP_RANK_START=fresh), the others' are
+    forked from the launcher's agent."""
     root = tmp_path_factory.mktemp("runs")
     data = f"data.train_files=[{data_with_bad_line}]"
     splits = {
@@ -65,15 +68,19 @@ def runs(tmp_path_factory, data_with_bad_line) -> dict[str, Path]:
     out = {}
     for name, split in splits.items():
         out[name] = root / name
-        run_train(out[name], *COMMON, data, *split)
+        with pytest.MonkeyPatch.context() as env:
+            if name == "1t1d":  # fresh interpreters: the other layouts' forked ranks must train alike
+                env.setenv(agent.RANK_START_ENV, "fresh")
+            run_train(out[name], *COMMON, data, *split)
     return out
 
 
-def reference_run(data: Path, *overrides: str):
-    """The single-process reference trainer on the same config; returns (losses, trainer)."""
+@pytest.fixture(scope="session")
+def reference(data_with_bad_line):
+    """The single-process reference trainer on the 1+1 and 2+1 jobs' config: (losses, trainer)."""
     from dflash_mp.reference import reference_train
 
-    cfg = compose_config([*COMMON, f"data.train_files=[{data}]", *overrides])
+    cfg = compose_config([*COMMON, f"data.train_files=[{data_with_bad_line}]", "train.grad_accum=2"])
     records: list[dict] = []
     trainer = reference_train(to_dataclass(cfg), on_step=records.append)
     return [r["loss"] for r in records], trainer
@@ -86,9 +93,22 @@ def test_loss_does_not_depend_on_the_number_of_targets(runs):
     assert two == one  # bitwise: same floats
 
 
-def test_runtime_equals_the_single_process_reference(runs, data_with_bad_line):
-    losses, _ = reference_run(data_with_bad_line, "train.grad_accum=2")
+def test_runtime_equals_the_single_process_reference(runs, reference):
+    losses, _ = reference
     assert [r["loss"] for r in read_metrics(runs["1t1d"])] == losses
+
+
+def test_ranks_start_as_fresh_interpreters_when_asked(runs, monkeypatch):
+    """DFLASH_MP_RANK_START=fresh (and any visible GPU) makes the agent plain torchrun: every rank a
+    fresh interpreter; the job trains as with forked ranks (the 1+1 job: its losses equal the 2+1
+    job's bit for bit, test_loss_does_not_depend_on_the_number_of_targets)."""
+    monkeypatch.setenv(agent.RANK_START_ENV, "fresh")
+    assert agent.start_method() == "fresh"
+    monkeypatch.delenv(agent.RANK_START_ENV)
+    assert agent.start_method() == "fork"  # no GPU here
+    log = (runs["1t1d"] / "logs" / "job.log").read_text()
+    assert "job succeeded" in log and "starting 2 rank(s) as fresh interpreters" in log
+    assert "forked from this agent" in (runs["2t1d"] / "logs" / "job.log").read_text()
 
 
 def test_two_drafters_with_half_the_accumulation_match(runs):
@@ -131,11 +151,10 @@ def test_run_directory_layout_and_metrics(runs):
     assert (run / "export" / "config.json").is_file() and (run / "export" / "model.safetensors").is_file()
 
 
-def test_kill_9_then_resume_ends_with_the_same_weights(data_with_bad_line, tmp_path):
-    run, steps = tmp_path / "killed", 20  # killed at a step of 2..10: well before the end
+def test_kill_9_then_resume_ends_with_the_same_weights(data_with_bad_line, reference, tmp_path):
+    run, steps = tmp_path / "killed", STEPS  # killed at step 2 or 3: well before the end
     args = [
         *COMMON,
-        f"train.max_steps={steps}",
         f"data.train_files=[{data_with_bad_line}]",
         "topology.targets=2",
         "topology.drafters=1",
@@ -152,7 +171,7 @@ def test_kill_9_then_resume_ends_with_the_same_weights(data_with_bad_line, tmp_p
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    kill_after = random.Random(os.getpid()).randint(2, 10)
+    kill_after = random.Random(os.getpid()).randint(2, 3)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         metrics = run / "metrics.jsonl"
@@ -166,7 +185,7 @@ def test_kill_9_then_resume_ends_with_the_same_weights(data_with_bad_line, tmp_p
 
     run_train(run, *args, "train.resume=true")
     resumed = load_file(run / "checkpoints" / f"step_{steps:08d}" / "drafter.safetensors")
-    _, uninterrupted = reference_run(data_with_bad_line, f"train.max_steps={steps}", "train.grad_accum=2")
+    _, uninterrupted = reference
     expected = uninterrupted.drafter.state_dict()
     assert resumed.keys() == expected.keys()
     for name in resumed:
