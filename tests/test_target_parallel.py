@@ -19,6 +19,7 @@ from dflash_mp.embedded import target_dir
 from dflash_mp.models.target import TargetFeatureExtractor
 from dflash_mp.models.tensor_parallel import layer_plan
 from dflash_mp.runtime.target_parallel import replica_mesh
+from tests import spawn_pool
 from tests.conftest import read_metrics, run_train
 
 LAYER_IDS = [1, 3]
@@ -84,10 +85,10 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def replica_results(tmp_path_factory) -> list[dict]:
-    """Both sources through one 2-process replica (one spawn: it is the slow part)."""
+    """Both sources through one 2-process replica (forked from tests/spawn_pool.py's forkserver)."""
     out = tmp_path_factory.mktemp("replica")
     try:
-        mp.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2, start_method="spawn")
+        spawn_pool.start_processes(_worker, args=(2, _free_port(), str(out)), nprocs=2)
     except Exception as e:
         errors = "\n".join(p.read_text() for p in sorted(out.glob("*.err")))
         raise AssertionError(f"a replica rank failed:\n{errors}") from e

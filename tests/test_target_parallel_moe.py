@@ -26,6 +26,7 @@ from dflash_mp.models.parallel_styles import ExpertsParallel, PerHeadParameters
 from dflash_mp.models.target import TargetFeatureExtractor
 from dflash_mp.models.tensor_parallel import layer_plan, plan_problems
 from dflash_mp.runtime.target_parallel import replica_mesh
+from tests import spawn_pool
 from tests.target_families import ensure_family_target, family_config
 from tests.test_target_families import TOKENS, custom_recipe
 from tests.test_target_parallel import _free_port
@@ -126,10 +127,15 @@ def targets(tmp_path_factory) -> dict[str, str]:
     return _targets(tmp_path_factory.mktemp("moe-targets"))
 
 
-def _spawn_replica(worker, targets: dict[str, str], out: Path) -> list[dict]:
-    """Two processes of `worker`; each rank's results, or the ranks' tracebacks."""
+def _spawn_replica(worker, targets: dict[str, str], out: Path, forked: bool = True) -> list[dict]:
+    """Two processes of `worker` (forked from tests/spawn_pool.py's forkserver, or spawned);
+    each rank's results, or the ranks' tracebacks."""
+    args = (2, _free_port(), targets, str(out))
     try:
-        mp.start_processes(worker, args=(2, _free_port(), targets, str(out)), nprocs=2, start_method="spawn")
+        if forked:
+            spawn_pool.start_processes(worker, args=args, nprocs=2)
+        else:
+            mp.start_processes(worker, args=args, nprocs=2, start_method="spawn")
     except Exception as e:
         errors = "\n".join(p.read_text() for p in sorted(out.glob("*.err")))
         raise AssertionError(f"a replica rank failed:\n{errors}") from e
@@ -259,7 +265,7 @@ def test_a_two_gpu_moe_replica_on_the_fast_compiled_path_gives_the_hidden_states
 ):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    for result in _spawn_replica(_gpu_worker, targets, tmp_path):
+    for result in _spawn_replica(_gpu_worker, targets, tmp_path, forked=False):
         for case in ("qwen3_moe", "gpt_oss"):
             expected = result[f"{case}_single"]
             # Relative error over the whole tensor: bf16 rounds each element too coarsely.

@@ -337,11 +337,12 @@ def _stop_vote(rank: int, port: int, results) -> None:
 def test_a_stop_asked_of_one_drafter_is_agreed_by_all_in_the_optimizer_step():
     import socket
 
-    import torch.multiprocessing as mp
+    from tests import spawn_pool
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_stop_vote, args=(port, results), nprocs=2, join=True)
-    assert dict(results) == {0: True, 1: True}
+    with spawn_pool.manager() as manager:
+        results = manager.dict()
+        spawn_pool.start_processes(_stop_vote, args=(port, results), nprocs=2)
+        assert dict(results) == {0: True, 1: True}

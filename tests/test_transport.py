@@ -20,6 +20,7 @@ from dflash_mp.config.schema import compose_config, to_dataclass
 from dflash_mp.runtime import roles, transport
 from dflash_mp.runtime.topology import Topology
 from dflash_mp.runtime.transport import Receiver, Sender, pack_tokens, unpack_tokens
+from tests import spawn_pool
 
 SHAPES = [(2, 7), (1, 13), (3, 5), (0, 0), (2, 9)]  # (sequences, length); (0, 0): all records were bad
 FEATURES = 12
@@ -75,12 +76,15 @@ def _worker(rank: int, init_file: str, results, backend: str) -> None:
 
 
 def _exchange(tmp_path, backend: str) -> None:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    """Gloo: two processes forked from tests/spawn_pool.py's forkserver; NCCL: spawned ones."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(
-        _worker, args=(str(tmp_path / "init"), results, backend), nprocs=2, start_method="spawn"
-    )
+    init = str(tmp_path / "init")
+    if backend == "gloo":
+        results = spawn_pool.context().Queue()
+        spawn_pool.start_processes(_worker, args=(init, results, backend), nprocs=2)
+    else:
+        results = mp.get_context("spawn").Queue()
+        mp.start_processes(_worker, args=(init, results, backend), nprocs=2, start_method="spawn")
     expected = sum(b * (2 * s + 2) * 8 + b * s * FEATURES * 2 for b, s in SHAPES)
     assert results.get(timeout=5) == expected
 

@@ -10,10 +10,10 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dflash_mp.config.schema import compose_config, to_dataclass
 from dflash_mp.training.trainer import DrafterTrainer
+from tests import spawn_pool
 from tests.test_trainer import _micro_batch
 
 OVERRIDES = ["train.max_steps=4", "train.micro_batch_size=2"]
@@ -116,11 +116,12 @@ def _data_parallel(rank: int, port: int, grad_accums: tuple[int, ...], results) 
 
 
 def test_data_parallel_drafters_reduce_working_gradients_in_fp32() -> None:
-    """Accumulating over 1 and 2 micro-batches, in one pair of spawned processes (each costs seconds
-    of imports)."""
+    """Accumulating over 1 and 2 micro-batches, in one pair of processes (forked from
+    tests/spawn_pool.py's forkserver)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_data_parallel, args=(port, (1, 2), results), nprocs=2, join=True)
-    assert dict(results) == {(rank, accum): True for rank in (0, 1) for accum in (1, 2)}
+    with spawn_pool.manager() as manager:
+        results = manager.dict()
+        spawn_pool.start_processes(_data_parallel, args=(port, (1, 2), results), nprocs=2)
+        assert dict(results) == {(rank, accum): True for rank in (0, 1) for accum in (1, 2)}
