@@ -65,7 +65,9 @@ def every_section(
     tmp_path = tmp_path_factory.mktemp("every_section")
     trace = tmp_path / "trace.json.gz"
     proc, result = run_bench(
-        tmp_path, "--sections", ALL_SECTIONS, "--profile-steps", "2", "--profile-trace", str(trace)
+        tmp_path,
+        *("--sections", ALL_SECTIONS, "--profile-steps", "2", "--profile-trace", str(trace)),
+        timeout=150,  # both tests' work
     )
     return tmp_path, proc, result
 
