@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from dflash_mp.evaluation.benchmark_table import (
 from dflash_mp.evaluation.prompts import EvalError
 from dflash_mp.export.hf import export_drafter
 from dflash_mp.training.trainer import build_drafter
-from tests.conftest import REPO, read_metrics, run_train
+from tests.conftest import REPO, job_env, read_metrics, run_train
 from tests.drafters import embedded_config, embedded_target
 from tests.test_benchmark_sets import RECORDS, write_jsonl, write_parquet
 
@@ -158,8 +159,18 @@ def test_command_line_refuses_a_bad_benchmark_before_loading_anything(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     unknown = write_jsonl(tmp_path / "mystery.jsonl", [{"query": "hi"}])
-    assert main([str(tmp_path / "no-such-run"), "--benchmarks", str(unknown)]) == 2
-    assert "mystery.jsonl: record 1 has the fields ['query']" in capsys.readouterr().err
+    # Through the module's own entry line (`python -m dflash_mp.eval`), as a user runs it.
+    command = [
+        sys.executable,
+        "-m",
+        "dflash_mp.eval",
+        str(tmp_path / "no-such-run"),
+        "--benchmarks",
+        str(unknown),
+    ]
+    proc = subprocess.run(command, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "mystery.jsonl: record 1 has the fields ['query']" in proc.stderr
     with pytest.raises(SystemExit):
         main([str(tmp_path), "--temperature", "0", "1"])  # two columns need --benchmarks
     assert "--temperature takes one value without --benchmarks" in capsys.readouterr().err
