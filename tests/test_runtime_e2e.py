@@ -75,12 +75,11 @@ def runs(tmp_path_factory, data_with_bad_line) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture(scope="session")
-def reference(data_with_bad_line):
-    """The single-process reference trainer on the 1+1 and 2+1 jobs' config: (losses, trainer)."""
+def reference_run(data: Path, *overrides: str):
+    """The single-process reference trainer on the same config; returns (losses, trainer)."""
     from dflash_mp.reference import reference_train
 
-    cfg = compose_config([*COMMON, f"data.train_files=[{data_with_bad_line}]", "train.grad_accum=2"])
+    cfg = compose_config([*COMMON, f"data.train_files=[{data}]", *overrides])
     records: list[dict] = []
     trainer = reference_train(to_dataclass(cfg), on_step=records.append)
     return [r["loss"] for r in records], trainer
@@ -93,8 +92,8 @@ def test_loss_does_not_depend_on_the_number_of_targets(runs):
     assert two == one  # bitwise: same floats
 
 
-def test_runtime_equals_the_single_process_reference(runs, reference):
-    losses, _ = reference
+def test_runtime_equals_the_single_process_reference(runs, data_with_bad_line):
+    losses, _ = reference_run(data_with_bad_line, "train.grad_accum=2")
     assert [r["loss"] for r in read_metrics(runs["1t1d"])] == losses
 
 
@@ -151,10 +150,11 @@ def test_run_directory_layout_and_metrics(runs):
     assert (run / "export" / "config.json").is_file() and (run / "export" / "model.safetensors").is_file()
 
 
-def test_kill_9_then_resume_ends_with_the_same_weights(data_with_bad_line, reference, tmp_path):
-    run, steps = tmp_path / "killed", STEPS  # killed at step 2 or 3: well before the end
+def test_kill_9_then_resume_ends_with_the_same_weights(data_with_bad_line, tmp_path):
+    run, steps = tmp_path / "killed", 20  # killed at a step of 2..10: well before the end
     args = [
         *COMMON,
+        f"train.max_steps={steps}",
         f"data.train_files=[{data_with_bad_line}]",
         "topology.targets=2",
         "topology.drafters=1",
@@ -171,7 +171,7 @@ def test_kill_9_then_resume_ends_with_the_same_weights(data_with_bad_line, refer
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    kill_after = random.Random(os.getpid()).randint(2, 3)
+    kill_after = random.Random(os.getpid()).randint(2, 10)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         metrics = run / "metrics.jsonl"
@@ -185,7 +185,7 @@ def test_kill_9_then_resume_ends_with_the_same_weights(data_with_bad_line, refer
 
     run_train(run, *args, "train.resume=true")
     resumed = load_file(run / "checkpoints" / f"step_{steps:08d}" / "drafter.safetensors")
-    _, uninterrupted = reference
+    _, uninterrupted = reference_run(data_with_bad_line, f"train.max_steps={steps}", "train.grad_accum=2")
     expected = uninterrupted.drafter.state_dict()
     assert resumed.keys() == expected.keys()
     for name in resumed:
