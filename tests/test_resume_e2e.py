@@ -16,8 +16,6 @@ from dflash_mp.launch import outcome
 from dflash_mp.run import checkpoint
 from tests.conftest import REPO, job_env, read_metrics, run_train
 
-pytestmark = pytest.mark.slow
-
 FAST = ("train.micro_batch_size=1", "train.export=false", "eval.every=0", "logger.progress_every=100")
 ONE_EACH = ("topology.targets=1", "topology.drafters=1")
 # The run the resume test continues: one drafter taking two micro-batches a step, checkpointed at
@@ -108,6 +106,7 @@ def test_a_fresh_start_in_a_used_run_dir_is_refused_before_any_worker_works(tmp_
     assert [r["step"] for r in read_metrics(run)] == [1, 2]
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_data_order_and_allows_a_new_split(overwritten, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(overwritten[0], run)  # 2 steps of EARLIER
