@@ -90,6 +90,35 @@ def test_fast_forward_equals_transformers_in_fp32(moe: bool, value_heads: int) -
     assert expected.abs().mean() > 0.1
 
 
+def test_a_call_with_a_padding_mask_or_a_cache_takes_transformers_forward() -> None:
+    """Only the target's own calls (no cache, no mask) take the fast path; any other goes to
+    transformers' forward with its arguments as given (the cache is `cache` or `cache_params` by
+    transformers' version)."""
+    module = _module(moe=False, value_heads=4)
+    reference = copy.deepcopy(module)
+    calls = []
+
+    def counting_core(*args):
+        calls.append(1)
+        return linear_attention.torch_core(*args)
+
+    assert linear_attention.use_fast_forward(module, core=counting_core)
+    x = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, :7] = 0  # left padding: transformers zeroes those rows' inputs
+    with torch.no_grad():
+        masked, expected = module(x, attention_mask=mask), reference(x, attention_mask=mask)
+        assert calls == []
+        torch.testing.assert_close(masked, expected, atol=0, rtol=0)
+        with pytest.raises(Exception):  # noqa: B017 - transformers' own forward reads the object
+            module(x, cache_params=object())
+        with pytest.raises(Exception):  # noqa: B017
+            module(x, cache=object())
+        assert calls == []
+        module(x)
+    assert calls == [1]
+
+
 @pytest.mark.parametrize("moe", [False, True])
 def test_a_target_with_switched_layers_keeps_transformers_features(moe: bool) -> None:
     config = _config(moe, value_heads=4)

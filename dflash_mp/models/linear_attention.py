@@ -157,11 +157,12 @@ def gated_deltanet_forward(
     return module.out_proj(out.reshape(batch, seq, -1))
 
 
-def _fast_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-    """Bound on a switched module: the fast path for the target's calls, transformers' otherwise."""
-    other = any(value is not None for key, value in kwargs.items() if key not in _INERT_KWARGS)
-    if cache is not None or attention_mask is not None or other:
-        return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+def _fast_forward(self, hidden_states, *args, **kwargs):
+    """Bound on a switched module: the fast path for the target's calls, transformers' otherwise.
+    Any argument set beyond the inert flags (the cache, named `cache` or `cache_params` by
+    transformers' versions, a padding mask, packed-row lengths) goes to transformers' forward as given."""
+    if args or any(value is not None for key, value in kwargs.items() if key not in _INERT_KWARGS):
+        return type(self).forward(self, hidden_states, *args, **kwargs)
     prepare_fn = _compiled_prepare() if hidden_states.is_cuda else prepare
     return gated_deltanet_forward(self, hidden_states, self.dflash_core, prepare_fn)
 
