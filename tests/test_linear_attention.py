@@ -10,30 +10,20 @@ import importlib
 
 import pytest
 import torch
-from transformers import Qwen3_5TextConfig
 
 from dflash_mp.models import linear_attention, target_kernels
 from dflash_mp.models.target import TargetFeatureExtractor
+from tests.test_target_kernels import _qwen3_5
 
 SEQ = 150  # three of the recurrence's 64-token chunks, the last one partial
 
 
 def _config(moe: bool, value_heads: int):
-    """Two key heads; value heads equal (2) or grouped two per key head (4). The key and value
-    head sizes differ, so that a mix-up of the two shows."""
-    shared = dict(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=value_heads, linear_key_head_dim=32,
-        linear_value_head_dim=16, vocab_size=128,
-    )  # fmt: skip
-    if moe:
-        from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
-
-        return Qwen3_5MoeTextConfig(
-            **shared, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
-            num_experts_per_tok=2,
-        )  # fmt: skip
-    return Qwen3_5TextConfig(**shared, intermediate_size=96)
+    """test_target_kernels' tiny Qwen3.5 with two key heads and value heads equal (2) or grouped two
+    per key head (4). The key and value head sizes differ, so that a mix-up of the two shows."""
+    config = _qwen3_5(moe)
+    config.linear_num_value_heads, config.linear_key_head_dim = value_heads, 32
+    return config
 
 
 def _deltanet_class(moe: bool):
