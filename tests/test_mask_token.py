@@ -137,3 +137,24 @@ def test_a_tokenizer_is_read_once_shared_untouched_and_read_again_when_its_files
     (target / "tokenizer_config.json").write_text(json.dumps(config | {"model_max_length": 77}))
     changed = load_tokenizer(target)
     assert changed is not shared and changed.model_max_length == 77
+
+
+def test_the_checks_and_the_drafter_read_the_tokenizer_once(
+    stock_qwen3_target: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """The id needs only the shared tokenizer: the copy with the token added (a second read, about a
+    CPU-second in every process) is made only where a tokenizer is written (RUN_DIR/tokenizer)."""
+    from dflash_mp.data import chat
+
+    target = tmp_path / "target"
+    shutil.copytree(stock_qwen3_target, target)  # a directory no earlier test read
+    reads: list[str] = []
+    real_read = chat.read_tokenizer
+    monkeypatch.setattr(chat, "read_tokenizer", lambda path, *a: reads.append(str(path)) or real_read(path, *a))
+    cfg = _cfg(target)
+    validate(cfg)
+    assert build_drafter(cfg).mask_token_id == QWEN3_MASK_ID
+    assert run_config(cfg).model.mask_token_id == QWEN3_MASK_ID
+    assert reads == [str(target)]
+    save_run_tokenizer(cfg.model, tmp_path / "run" / "tokenizer")
+    assert reads == [str(target)] * 2  # the written one has the token added

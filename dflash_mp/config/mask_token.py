@@ -77,15 +77,27 @@ def resolve_mask_token(tokenizer: Any, token: str, pinned_id: int | None, vocab_
     return mask
 
 
+def target_mask_token(
+    target_path: str | Path, token: str, pinned_id: int | None, trust_remote_code: bool = False
+) -> MaskToken:
+    """The resolved mask token of the target at `target_path`, from its shared tokenizer (what the
+    checks, training and evaluation need: the id; only a written tokenizer needs the token added)."""
+    from dflash_mp.data import load_tokenizer
+
+    tokenizer = load_tokenizer(target_path, trust_remote_code=trust_remote_code)
+    return resolve_mask_token(tokenizer, token, pinned_id, target_vocab_size(target_path))
+
+
 def load_mask_token(
     target_path: str | Path, token: str, pinned_id: int | None, trust_remote_code: bool = False
 ) -> tuple[MaskToken, Any]:
-    """(the resolved mask token, the target's tokenizer with the token added when it was missing)."""
+    """(the resolved mask token, the target's tokenizer with the token added when it was missing).
+    The added copy is a second read of the tokenizer (about a CPU-second for a 150k vocabulary)."""
     from dflash_mp.data import load_tokenizer
     from dflash_mp.data.chat import directory_stamp
 
     tokenizer = load_tokenizer(target_path, trust_remote_code=trust_remote_code)
-    mask = resolve_mask_token(tokenizer, token, pinned_id, target_vocab_size(target_path))
+    mask = target_mask_token(target_path, token, pinned_id, trust_remote_code)
     if mask.added:  # never into the shared tokenizer
         tokenizer = _with_added_token(
             str(target_path), trust_remote_code, token, mask.id, directory_stamp(target_path)
@@ -114,7 +126,7 @@ def mask_token_problems(model_cfg: Any, target_path: str | Path) -> list[str]:
     if not any(Path(target_path).glob("tokenizer*")):
         return []  # no tokenizer at all: the doctor's target check says which files to copy
     try:
-        load_mask_token(target_path, m.mask_token, m.mask_token_id, m.trust_remote_code)
+        target_mask_token(target_path, m.mask_token, m.mask_token_id, m.trust_remote_code)
     except MaskTokenError as e:
         return [f"model.mask_token_id: {e}"]
     except Exception as e:  # no or a broken tokenizer (the doctor's target check names the files)
@@ -126,7 +138,7 @@ def mask_token_problems(model_cfg: Any, target_path: str | Path) -> list[str]:
 
 def mask_token_id(model_cfg: Any) -> int:
     """The mask id for `model_cfg` (a ModelConfig): what the drafter is built and exported with."""
-    mask, _ = load_mask_token(
+    mask = target_mask_token(
         model_cfg.target_path, model_cfg.mask_token, model_cfg.mask_token_id, model_cfg.trust_remote_code
     )
     return mask.id
