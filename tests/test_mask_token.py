@@ -150,7 +150,9 @@ def test_the_checks_and_the_drafter_read_the_tokenizer_once(
     shutil.copytree(stock_qwen3_target, target)  # a directory no earlier test read
     reads: list[str] = []
     real_read = chat.read_tokenizer
-    monkeypatch.setattr(chat, "read_tokenizer", lambda path, *a: reads.append(str(path)) or real_read(path, *a))
+    monkeypatch.setattr(
+        chat, "read_tokenizer", lambda path, *a: reads.append(str(path)) or real_read(path, *a)
+    )
     cfg = _cfg(target)
     validate(cfg)
     assert build_drafter(cfg).mask_token_id == QWEN3_MASK_ID
