@@ -73,11 +73,17 @@ def job_env() -> dict[str, str]:
     return env
 
 
+# Jobs of tests that read no plots draw none (1.5 CPU-seconds a job); test_runtime_e2e's 2+1 job does.
+NO_PLOTS = "logger.plots=false"
+
+
 def run_train(
     run_dir: Path, *overrides: str, timeout: float = 300, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """`python -m dflash_mp.train` as a user runs it (it starts torchrun itself)."""
-    cmd = [sys.executable, "-m", "dflash_mp.train", f"run_dir={run_dir}", *overrides]
+    """`python -m dflash_mp.train` as a user runs it (it starts torchrun itself); no plots unless
+    `overrides` set logger.plots."""
+    plots = () if any(o.startswith("logger.plots=") for o in overrides) else (NO_PLOTS,)
+    cmd = [sys.executable, "-m", "dflash_mp.train", f"run_dir={run_dir}", *overrides, *plots]
     proc = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"job failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

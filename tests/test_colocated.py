@@ -21,7 +21,7 @@ from dflash_mp.config.validation import processes_per_job, validate
 from dflash_mp.launch.outcome import role_of_rank
 from dflash_mp.runtime.topology import Role, Topology
 from dflash_mp.runtime.watchdog import EXIT_PREEMPTED, read_heartbeats
-from tests.conftest import REPO, job_env, read_metrics
+from tests.conftest import NO_PLOTS, REPO, job_env, read_metrics
 
 
 def _cfg(*overrides: str):
@@ -166,6 +166,7 @@ def test_a_stop_signal_checkpoints_every_colocated_rank_at_the_same_step(tmp_pat
         f"train.max_steps={steps}",
         "train.export=false",
         "logger.progress_every=1000",
+        NO_PLOTS,
     ]
     with open(tmp_path / "job.out", "w") as out:
         proc = subprocess.Popen(

@@ -24,11 +24,12 @@ from dflash_mp.config.schema import compose_config, to_dataclass
 from dflash_mp.launch.outcome import EXIT_FAILED, read_job_state
 from dflash_mp.run.processes import group_members, job_processes
 from dflash_mp.runtime.watchdog import EXIT_HUNG, EXIT_PREEMPTED, FAULT_ENV, read_heartbeats
-from tests.conftest import REPO, job_env, read_metrics, run_train
+from tests.conftest import NO_PLOTS, REPO, job_env, read_metrics, run_train
 
 # Small and quick; logger.progress_every keeps the console quiet.
 # Nothing a fault test does not look at: no export, no evaluation (each costs seconds per job).
 FAST = ("train.micro_batch_size=1", "train.export=false", "eval.every=0", "logger.progress_every=1000")
+FAST += (NO_PLOTS,)
 # One target and one drafter unless a test needs more: a rank fewer is seconds of CPU fewer per job.
 ONE_EACH = ("topology.targets=1", "topology.drafters=1")
 ROLES = {0: "target", 1: "drafter"}

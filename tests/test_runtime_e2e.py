@@ -24,7 +24,7 @@ from dflash_mp.embedded import embedded_path
 from dflash_mp.launch import agent
 from dflash_mp.run import checkpoint
 from dflash_mp.runtime.watchdog import FAULT_ENV, read_heartbeats
-from tests.conftest import REPO, job_env, read_metrics, run_train
+from tests.conftest import NO_PLOTS, REPO, job_env, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +59,7 @@ def runs(tmp_path_factory, data_with_bad_line) -> dict[str, Path]:
             "topology.drafters=1",
             "train.grad_accum=2",
             "train.checkpoint_every=2",
+            "logger.plots=true",  # the one job whose curves a test reads
         ),
         "1t1d": ("topology.targets=1", "topology.drafters=1", "train.grad_accum=2", NO_EXPORT),
         "1t2d": ("topology.targets=1", "topology.drafters=2", "train.grad_accum=1", NO_EXPORT),
@@ -148,6 +149,9 @@ def test_run_directory_layout_and_metrics(runs):
     ).read_text()
     assert "train.jsonl:4" in target_logs
     assert (run / "export" / "config.json").is_file() and (run / "export" / "model.safetensors").is_file()
+    # logger.plots=true: the curves drawn when the job ended (the other layouts' jobs draw none).
+    assert {p.name for p in (run / "plots").iterdir()} == {"loss.png", "samples_per_s.png", "acc.png"}
+    assert not (runs["1t2d"] / "plots").exists()
 
 
 def test_kill_9_then_resume_ends_with_the_same_weights(data_with_bad_line, tmp_path):
@@ -161,6 +165,7 @@ def test_kill_9_then_resume_ends_with_the_same_weights(data_with_bad_line, tmp_p
         "train.grad_accum=2",
         "train.checkpoint_every=1",
         NO_EXPORT,
+        NO_PLOTS,
     ]
     cmd = [sys.executable, "-m", "dflash_mp.train", f"run_dir={run}", *args]
     proc = subprocess.Popen(
@@ -243,6 +248,7 @@ def test_colocated_under_plain_torchrun_resumes_after_a_failed_rank_to_the_same_
         f"data.train_files=[{data_with_bad_line}]",
         "topology=colocated",
         "train.checkpoint_every=1",
+        NO_PLOTS,
     ]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     failed = subprocess.run(

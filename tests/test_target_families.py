@@ -23,7 +23,7 @@ from dflash_mp.config.validation import validate
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import build_drafter_config
 from dflash_mp.models.target import TargetFeatureExtractor
-from tests.conftest import REPO, job_env, read_metrics
+from tests.conftest import NO_PLOTS, REPO, job_env, read_metrics
 from tests.drafters import embedded_config
 from tests.target_families import FAMILIES, LAYER_KINDS, ensure_family_target, family_config
 
@@ -194,6 +194,7 @@ def test_a_family_trains_exports_and_loads_in_the_reference(name: str, tmp_path:
         "data.max_length=64",
         "data.num_anchors=4",
         "eval.every=0",
+        NO_PLOTS,
     ]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
     job = subprocess.run(

@@ -152,8 +152,9 @@ def train(
 
 
 def finish(cfg: RootConfig, run_dir: Path, trainer: DrafterTrainer) -> None:
-    """The first drafter's last work: the training curves, then the export (train.export)."""
-    plot_run(run_dir)
+    """The first drafter's last work: the training curves (logger.plots), then the export (train.export)."""
+    if cfg.logger.plots:
+        plot_run(run_dir)
     if cfg.train.export:
         watchdog.beat("export", trainer.step)
         from dflash_mp.export.hf import export_drafter  # transformers' modeling stack: only when exporting
