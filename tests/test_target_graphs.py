@@ -74,9 +74,19 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly_and_says_why() -> None:
 
     graphed = target_graphs.GraphedForward(reads_the_device)
     ids = torch.arange(6, device="cuda").view(2, 3)
+    generator = torch.cuda.default_generators[ids.device.index]
+    torch.cuda.manual_seed(3)
+    torch.randn(4, device="cuda")
+    offset = generator.get_offset()
     assert torch.equal(graphed(ids), ids * 5)
     assert graphed.off_because is not None and graphed.graphs == {}
     assert torch.equal(graphed(ids + 1), (ids + 1) * 6)
+    # The failed capture leaves the process's random numbers working, where they were.
+    assert (generator.initial_seed(), generator.get_offset()) == (3, offset)
+    after = torch.randn(4, device="cuda")
+    torch.cuda.manual_seed(3)
+    torch.randn(4, device="cuda")
+    assert torch.equal(torch.randn(4, device="cuda"), after)
 
 
 def test_a_bad_cuda_graphs_setting_is_refused_naming_the_field() -> None:

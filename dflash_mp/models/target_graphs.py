@@ -136,6 +136,7 @@ class GraphedForward:
             self.off_because = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             self.graphs.clear()
             torch.cuda.synchronize(input_ids.device)
+            release_generator_from_capture(input_ids.device)
             log.warning("CUDA graphs off for the target forward (eager from now on): %s", self.off_because)
             return None
         entry = self.graphs[tuple(input_ids.shape)] = (graph, static_ids, static_features)
@@ -145,3 +146,19 @@ class GraphedForward:
             len(self.graphs),
         )
         return entry
+
+
+def release_generator_from_capture(device: torch.device) -> None:
+    """Take the device's default generator out of capture mode after a capture that failed.
+
+    A capture registers the default CUDA generator when it begins and releases it when it ends;
+    a capture invalidated on the way (a host read, a sync) raises from its end before the release,
+    and every later random op of the process then fails with "Offset increment outside graph
+    capture encountered unexpectedly" (torch 2.11, seen on an H200). The generator gets a fresh
+    state at the same seed and offset: the random stream goes on where it was."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stuck = torch.cuda.default_generators[index]
+    fresh = torch.Generator(device=torch.device("cuda", index))
+    fresh.manual_seed(stuck.initial_seed())
+    fresh.set_offset(stuck.get_offset())
+    stuck.graphsafe_set_state(fresh)
