@@ -97,7 +97,7 @@ def load_mask_token(
     from dflash_mp.data.chat import directory_stamp
 
     tokenizer = load_tokenizer(target_path, trust_remote_code=trust_remote_code)
-    mask = target_mask_token(target_path, token, pinned_id, trust_remote_code)
+    mask = resolve_mask_token(tokenizer, token, pinned_id, target_vocab_size(target_path))
     if mask.added:  # never into the shared tokenizer
         tokenizer = _with_added_token(
             str(target_path), trust_remote_code, token, mask.id, directory_stamp(target_path)
