@@ -172,23 +172,25 @@ def test_features_equal_hf_hidden_states(name: str) -> None:
     torch.testing.assert_close(extractor(TOKENS), expected, rtol=0, atol=0)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", FAMILIES)
-def test_a_family_trains_exports_and_loads_in_the_reference(name: str, tmp_path: Path) -> None:
-    """Two steps of one colocated rank under plain torchrun (no launcher: ~9 s of CPU a family)."""
+@pytest.fixture(scope="module")
+def family_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """Two steps of one colocated rank for every family, as the points of one Hydra sweep (`-m`):
+    each point is its own torchrun job, started by one launcher process (about half the CPU of a
+    plain torchrun job per family). A failed point leaves the others running; each test reads its own."""
     from dflash_mp.embedded import embedded_path
 
+    tmp_path = tmp_path_factory.mktemp("families")
     train = tmp_path / "train.jsonl"
     train.write_text("".join(embedded_path("data/train.jsonl").read_text().splitlines(True)[:16]))
-    run = tmp_path / "run"
+    targets = ",".join(str(ensure_family_target(name)) for name in FAMILIES)
     overrides = [
-        f"run_dir={run}",
         "experiment=custom",  # a real target's recipe, shrunk below
         "model.draft_layers=2",
-        f"model.target_path={ensure_family_target(name)}",
+        f"model.target_path={targets}",
         "model.target_layer_ids=[1,3]",
         "model.block_size=4",
         "topology=colocated",
+        "topology.drafters=1",  # one rank (on CPU the launcher needs the count)
         "train.max_steps=2",
         f"data.train_files=[{train}]",
         "data.max_length=64",
@@ -196,12 +198,24 @@ def test_a_family_trains_exports_and_loads_in_the_reference(name: str, tmp_path:
         "eval.every=0",
         NO_PLOTS,
     ]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    sweep = tmp_path / "sweep"
     job = subprocess.run(
-        [*torchrun, "-m", "dflash_mp.train", *overrides],
-        cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "dflash_mp.train", "-m", *overrides],
+        cwd=REPO, env=job_env() | {"DFLASH_SWEEP_DIR": str(sweep)}, capture_output=True, text=True,
+        timeout=120 * len(FAMILIES),
     )  # fmt: skip
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    return sweep, job
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_family_trains_exports_and_loads_in_the_reference(name: str, family_sweep) -> None:
+    sweep, job = family_sweep
+    run = sweep / str(list(FAMILIES).index(name))
+    point = json.loads((sweep / "points" / f"{list(FAMILIES).index(name)}.json").read_text())
+    assert f"model.target_path={ensure_family_target(name)}" in point["overrides"]
+    log = (run / "logs" / "job.log").read_text() if (run / "logs" / "job.log").exists() else ""
+    assert point["outcome"] == "succeeded", log[-3000:] + job.stdout[-2000:] + job.stderr[-2000:]
     assert [m["step"] for m in read_metrics(run)] == [1, 2]
     drafter, info = DFlashDraftModel.from_pretrained(str(run / "export"), output_loading_info=True)
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
