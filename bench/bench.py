@@ -64,6 +64,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from options import default_out, layout_from_env, parse_args  # noqa: E402
 
+from dflash_mp.run import startup  # noqa: E402
+
+if __name__ == "__main__":
+    startup.pause()  # resumed once the benchmark's stack is imported
+
 
 def main(argv=None) -> int:
     args = parse_args(argv, __doc__)
@@ -80,6 +85,7 @@ def main(argv=None) -> int:
     # torch, transformers and the models: only once the run is known to fit the ranks.
     from runner import run
 
+    startup.resume()
     return run(args, layout, PROCESS_START)
 
 

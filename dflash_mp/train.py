@@ -19,16 +19,21 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-import hydra
-from omegaconf import DictConfig
+from dflash_mp.run import startup
 
-from dflash_mp.config.schema import CONF_DIR, ConfigError, RootConfig, to_dataclass
-from dflash_mp.config.validation import validate
-from dflash_mp.doctor import failed, reading_checks
-from dflash_mp.run.logs import append_job_log, get_logger
-from dflash_mp.run.processes import JOB_ID_ENV
-from dflash_mp.run.rundir import RunDirBusy, clear_run_dir, fresh_start_problem, lock_run_dir
-from dflash_mp.runtime import watchdog
+if __name__ == "__main__":  # a launcher or a rank: resumed once its stack is imported
+    startup.pause()
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from dflash_mp.config.schema import CONF_DIR, ConfigError, RootConfig, to_dataclass  # noqa: E402
+from dflash_mp.config.validation import validate  # noqa: E402
+from dflash_mp.doctor import failed, reading_checks  # noqa: E402
+from dflash_mp.run.logs import append_job_log, get_logger  # noqa: E402
+from dflash_mp.run.processes import JOB_ID_ENV  # noqa: E402
+from dflash_mp.run.rundir import RunDirBusy, clear_run_dir, fresh_start_problem, lock_run_dir  # noqa: E402
+from dflash_mp.runtime import watchdog  # noqa: E402
 
 if TYPE_CHECKING:
     from dflash_mp.runtime.distributed import Job
@@ -46,6 +51,7 @@ def run_rank(dict_cfg: DictConfig) -> None:
     watchdog.die_with_agent()
     cfg = to_dataclass(dict_cfg)
     job, run_dir = _join_job(cfg)
+    startup.resume()  # joined, with the training stack imported (above)
     try:
         run_job(cfg, job, run_dir)
     except watchdog.Preempted as stop:

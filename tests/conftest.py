@@ -92,3 +92,15 @@ def run_train(
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def pytest_configure(config) -> None:
+    from dflash_mp.run import startup
+
+    startup.pause()  # collection imports torch, transformers and every test module
+
+
+def pytest_collection_finish(session) -> None:
+    from dflash_mp.run import startup
+
+    startup.resume()  # frozen: the in-process tests' collections skip the imported stack

@@ -178,4 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from dflash_mp.run import startup
+
+    startup.pause()  # resumed after the preflight, or by the supervisor
     sys.exit(main())

@@ -45,6 +45,7 @@ import uuid
 from pathlib import Path
 from typing import NoReturn
 
+from dflash_mp.run import startup
 from dflash_mp.run.processes import die_with_parent
 
 RANK_START_ENV = "DFLASH_MP_RANK_START"
@@ -113,6 +114,7 @@ def _rank_main(*overrides: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    startup.pause()
     from torch.distributed import run as torchrun
     from torch.distributed.launcher.api import elastic_launch
 
@@ -123,11 +125,13 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"dflash_mp agent: starting {args.nproc_per_node} rank(s) as fresh interpreters", file=sys.stderr
         )
+        startup.resume()
         torchrun.run(args)
         return
     # What torchrun's --standalone means: a c10d rendezvous on a free local port.
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     _preimport()
+    startup.resume()  # before the fork: each rank starts with the stack frozen and shared
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "fork"
     print(f"dflash_mp agent: starting {args.nproc_per_node} rank(s) forked from this agent", file=sys.stderr)

@@ -16,6 +16,7 @@ from dflash_mp.launch.agent import AgentZygote
 from dflash_mp.launch.detached import start_detached
 from dflash_mp.launch.outcome import EXIT_PREFLIGHT, Outcome, read_job_state, write_outcome
 from dflash_mp.launch.supervisor import supervise
+from dflash_mp.run import startup
 from dflash_mp.run.logs import append_job_log, job_log_path
 from dflash_mp.run.rundir import RunDirBusy, RunDirLock, clear_run_dir, lock_run_dir
 
@@ -89,6 +90,7 @@ def _checked_launch(
     zygote: AgentZygote | None,
 ) -> int:
     checks = doctor.preflight(dict_cfg, run_dir)
+    startup.resume()  # what the launcher imports is imported by now
     bad = doctor.failed(checks)
     if bad:
         return preflight_failure(run_dir, [f"{c.name}: {c.message}" for c in bad], started)

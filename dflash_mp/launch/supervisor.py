@@ -21,6 +21,7 @@ from subprocess import Popen
 from dflash_mp.launch.agent import AgentZygote, ForkedAgent
 from dflash_mp.launch.agent import start as start_agent
 from dflash_mp.launch.outcome import StopRequest, error_files, judge, write_job_state, write_outcome
+from dflash_mp.run import startup
 from dflash_mp.run.logs import append_job_log, job_log_path
 from dflash_mp.run.processes import (
     JOB_ID_ENV,
@@ -185,6 +186,7 @@ def supervise(
     zygote: AgentZygote | None = None,
 ) -> int:
     """Run one torchrun job to its end and write the outcome; returns the job's exit code."""
+    startup.resume()
     job_id = uuid.uuid4().hex[:16]
     log_dir = run_dir / "logs" / "torchrun" / job_id
     for stale in [preempted_marker(run_dir), *heartbeat_dir(run_dir).glob("rank*.json")]:
