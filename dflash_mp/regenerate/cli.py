@@ -170,7 +170,12 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     """The regeneration the options ask for; RegenerateError or RecordsFailed on failure."""
     from dflash_mp.regenerate.local import regenerate
     from dflash_mp.regenerate.served import ServerSettings, regenerate_served
+    from dflash_mp.run import startup
 
+    if args.server is None:  # the local path's stack, imported before the collector resumes
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    startup.resume()  # dflash_mp.run.startup
     settings = Settings(
         max_length=args.max_length,
         max_new_tokens=args.max_new_tokens,
