@@ -19,21 +19,17 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+import hydra
+from omegaconf import DictConfig
+
+from dflash_mp.config.schema import CONF_DIR, ConfigError, RootConfig, to_dataclass
+from dflash_mp.config.validation import validate
+from dflash_mp.doctor import failed, reading_checks
 from dflash_mp.run import startup
-
-if __name__ == "__main__":  # a launcher or a rank: resumed once its stack is imported
-    startup.pause()
-
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from dflash_mp.config.schema import CONF_DIR, ConfigError, RootConfig, to_dataclass  # noqa: E402
-from dflash_mp.config.validation import validate  # noqa: E402
-from dflash_mp.doctor import failed, reading_checks  # noqa: E402
-from dflash_mp.run.logs import append_job_log, get_logger  # noqa: E402
-from dflash_mp.run.processes import JOB_ID_ENV  # noqa: E402
-from dflash_mp.run.rundir import RunDirBusy, clear_run_dir, fresh_start_problem, lock_run_dir  # noqa: E402
-from dflash_mp.runtime import watchdog  # noqa: E402
+from dflash_mp.run.logs import append_job_log, get_logger
+from dflash_mp.run.processes import JOB_ID_ENV
+from dflash_mp.run.rundir import RunDirBusy, clear_run_dir, fresh_start_problem, lock_run_dir
+from dflash_mp.runtime import watchdog
 
 if TYPE_CHECKING:
     from dflash_mp.runtime.distributed import Job
@@ -167,6 +163,8 @@ def _preflight_under_plain_torchrun(cfg: RootConfig, run_dir: Path, job: Job) ->
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> int:
+    if __name__ == "__main__":  # the program (a launcher or a fresh rank), before torch is imported
+        startup.pause()  # resumed once its stack is imported
     if _under_torchrun():
         from torch.distributed.elastic.multiprocessing.errors import record
 
