@@ -10,49 +10,27 @@ fused LM-head loss too.
 
 from __future__ import annotations
 
-import json
 import math
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from dflash import model as reference_model
-from dflash.model import DFlash2DraftModel, DFlashDraftModel, build_target_layer_ids
+from dflash.model import DFlash2DraftModel, DFlashDraftModel
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
-from transformers import Qwen3Config
 
-from dflash_mp.config.schema import ConfigError
-from dflash_mp.config.validation import validate
-from dflash_mp.evaluation.acceptance import stop_token_ids
-from dflash_mp.evaluation.decoding import _propose, speculative_generate
-from dflash_mp.evaluation.prompts import load_eval_prompts
-from dflash_mp.export.hf import export_drafter, load_exported_drafter
+from dflash_mp.evaluation.decoding import _propose
+from dflash_mp.export.hf import export_drafter
 from dflash_mp.kernels.block_mask import block_mask_mod, dense_block_mask, flex_block_mask
 from dflash_mp.models import drafter as drafter_module
 from dflash_mp.models.drafter import DFlashDrafter, scale_logits
-from dflash_mp.models.drafter_config import build_drafter_config
 from dflash_mp.objective.block_diffusion import chunked_lm_head_loss, decay_weighted_ce, drafter_loss
 from dflash_mp.objective.draft_blocks import block_inputs, block_labels, sample_anchors
-from tests.drafters import embedded_config, embedded_target, train_on_target_tokens
+from tests.field_drafters import BLOCK, HIDDEN, SCALING, VOCAB, fields_drafter
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-
-HIDDEN, BLOCK, VOCAB = 64, 4, 300
-TARGET = Qwen3Config(
-    hidden_size=HIDDEN,
-    intermediate_size=128,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=VOCAB,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-)
-SCALING = {"input_embedding_scale": 2.5, "output_multiplier": 0.6, "final_logit_softcapping": 1.5}
 
 
 # ----------------------------------------------------------------------------- masks
@@ -158,31 +136,6 @@ def test_chunked_loss_with_multiplier_and_softcap_matches_unfused_autograd(
 # ----------------------------------------------------------------------------- the drafter vs the reference
 
 
-def _drafter(arch: str, window: int | None, scaling: dict | None = None) -> DFlashDrafter:
-    config = build_drafter_config(
-        TARGET,
-        3,
-        build_target_layer_ids(TARGET.num_hidden_layers, 2),
-        block_size=BLOCK,
-        mask_token_id=VOCAB - 1,
-        arch=arch,
-        dflash2={"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 5},
-        layer_types=None if window is None else ["sliding_attention", "full_attention", "sliding_attention"],
-        sliding_window=window,
-        scaling=scaling,
-    )
-    drafter = DFlashDrafter(config, seed=0)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # off the identity/no-op init, so every module shows in the outputs
-        for name, param in drafter.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if "norm" in name:
-                param.copy_(1 + 0.3 * noise)
-            elif "base_kernel" in name or "codebook" in name or "kernel_projection" in name:
-                param.add_(0.1 * noise)
-    return drafter.eval()
-
-
 def _reference(drafter: DFlashDrafter, directory) -> DFlashDraftModel:
     export = export_drafter(drafter, directory, dtype=None)
     model_type = DFlash2DraftModel if drafter.arch == "dflash2" else DFlashDraftModel
@@ -206,7 +159,7 @@ TOLERANCES = {torch.float32: (3e-5, 1e-4), torch.float64: (1e-10, 1e-10)}
 def test_training_layout_with_sliding_layers_equals_one_reference_call_per_block(
     arch: str, window: int, dtype: torch.dtype, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    drafter = _drafter(arch, window)
+    drafter = fields_drafter(arch, window)
     reference = _reference(drafter, tmp_path / "export").to(dtype)
     drafter = drafter.to(dtype)
     layer_kinds = [layer.self_attn.sliding_window for layer in reference.layers]
@@ -253,7 +206,7 @@ def test_training_layout_with_sliding_layers_equals_one_reference_call_per_block
 def test_one_proposal_block_with_every_field_matches_the_reference(arch: str, tmp_path) -> None:
     """Scaled embeddings in, window, multiplier and soft cap on the logits out: `_propose`'s tokens
     are the reference's from the same context (its `dflash_generate` draft step and `propose`)."""
-    drafter = _drafter(arch, 5, SCALING)
+    drafter = fields_drafter(arch, 5, SCALING)
     assert (drafter.input_embedding_scale, drafter.output_multiplier) == (2.5, 0.6)
     assert drafter.final_logit_softcapping == 1.5
     reference = _reference(drafter, tmp_path / "export")
@@ -304,7 +257,7 @@ def test_drafter_loss_with_every_field_equals_the_reference_per_block(
     equals the decay-weighted CE of the reference's `compute_logits`, one reference call per block
     on `embedding * input_embedding_scale`."""
     monkeypatch.setattr(drafter_module, "_compiled_flex_attention", lambda: flex_attention)
-    drafter = _drafter("dflash", 4, SCALING)
+    drafter = fields_drafter("dflash", 4, SCALING)
     reference = _reference(drafter, tmp_path / "export")
     generator = torch.Generator().manual_seed(5)
     embed = torch.randn(VOCAB, HIDDEN, generator=generator)
@@ -360,7 +313,7 @@ def test_compiled_flex_loss_with_every_field_matches_sdpa_with_gradients_on_cuda
     """The compiled kernels (flex_attention with the window BlockMask, the compiled fused CE with
     multiplier and soft cap) against the dense SDPA path, gradients included, in fp32."""
     device = torch.device("cuda")
-    drafter = _drafter("dflash2", 40, SCALING).to(device).train()
+    drafter = fields_drafter("dflash2", 40, SCALING).to(device).train()
     generator = torch.Generator().manual_seed(6)
     embed = torch.randn(VOCAB, HIDDEN, generator=generator).to(device)
     head = (3 * torch.randn(VOCAB, HIDDEN, generator=generator)).to(device)
@@ -386,140 +339,3 @@ def test_compiled_flex_loss_with_every_field_matches_sdpa_with_gradients_on_cuda
     assert len(flex_grads) == len(dense_grads) > 0
     for flex_grad, dense_grad in zip(flex_grads, dense_grads, strict=True):
         torch.testing.assert_close(flex_grad, dense_grad, atol=1e-4, rtol=1e-3)
-
-
-# ----------------------------------------------------------------------------- config and export
-
-
-def test_default_export_is_unchanged_and_non_defaults_reach_config_json(tmp_path) -> None:
-    plain = json.loads((export_drafter(_drafter("dflash", None), tmp_path / "a") / "config.json").read_text())
-    for key in SCALING:
-        assert key not in plain and key not in plain["dflash_config"]
-    assert plain["layer_types"] == ["full_attention"] * 3 and plain["sliding_window"] is None
-    assert plain["is_causal"] is False
-    fields = json.loads(
-        (export_drafter(_drafter("dflash2", 7, SCALING), tmp_path / "b") / "config.json").read_text()
-    )
-    assert {key: fields["dflash_config"][key] for key in SCALING} == SCALING
-    assert fields["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
-    assert (fields["sliding_window"], fields["use_sliding_window"], fields["is_causal"]) == (7, True, False)
-    loaded = load_exported_drafter(tmp_path / "b")
-    assert (loaded.layer_types, loaded.sliding_window) == (fields["layer_types"], 7)
-    assert (loaded.input_embedding_scale, loaded.output_multiplier, loaded.final_logit_softcapping) == (
-        2.5,
-        0.6,
-        1.5,
-    )
-
-
-def test_drafter_config_rejects_bad_layer_types_and_windows() -> None:
-    layer_ids = build_target_layer_ids(TARGET.num_hidden_layers, 2)
-    with pytest.raises(ValueError, match="layer_types"):
-        build_drafter_config(TARGET, 2, layer_ids, BLOCK, 0, layer_types=["full_attention"])
-    with pytest.raises(ValueError, match="sliding_window"):
-        build_drafter_config(TARGET, 1, layer_ids, BLOCK, 0, layer_types=["sliding_attention"])
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        (["model.layer_types=[sliding_attention]"], "model.layer_types"),
-        (["model.layer_types=[sliding_attention,full_attention]"], "model.sliding_window"),
-        (["model.sliding_window=0"], "model.sliding_window"),
-        (["model.output_multiplier=0"], "model.output_multiplier"),
-        (["model.input_embedding_scale=-1"], "model.input_embedding_scale"),
-        (["model.final_logit_softcapping=-3"], "model.final_logit_softcapping"),
-    ],
-)
-def test_config_validation_names_the_field(overrides: list[str], message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        validate(embedded_config(*overrides))
-
-
-# ----------------------------------------------------------------------------- trained, end to end
-
-FIELD_OVERRIDES = (
-    "data.num_anchors=32",
-    "model.arch=dflash2",
-    "model.selector_rank=32",
-    "model.layer_types=[sliding_attention,full_attention]",
-    "model.sliding_window=8",
-    "model.input_embedding_scale=2.0",
-    "model.output_multiplier=0.8",
-    "model.final_logit_softcapping=20.0",
-)
-
-
-@pytest.mark.slow
-def test_reference_decoding_of_a_trained_export_with_every_field_matches_ours(
-    tmp_path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Trained with a window shorter than the prompts and every scaling field, exported, decoded by
-    the reference's `dflash_generate`: the same tokens and acceptance lengths as our decoding."""
-    monkeypatch.setattr(reference_model, "_cuda_time", time.perf_counter)  # a CPU run
-    cfg = embedded_config(*FIELD_OVERRIDES)
-    validate(cfg)
-    target, tokenizer = embedded_target(cfg)
-    prompts = load_eval_prompts(cfg, tokenizer)[:3]
-    assert min(len(prompt.input_ids) for prompt in prompts) > 8
-    trainer = train_on_target_tokens(cfg, target, tokenizer, prompts[:2], 40, steps=150)
-    export = export_drafter(trainer.drafter, tmp_path / "export")
-    fields = json.loads((export / "config.json").read_text())
-    assert fields["dflash_config"]["final_logit_softcapping"] == 20.0 and fields["sliding_window"] == 8
-    draft_model = DFlash2DraftModel.from_pretrained(export, dtype=torch.float32).eval()
-    ours = load_exported_drafter(export).float().eval()
-    stops = stop_token_ids(tokenizer, target)
-    longest = []
-    for prompt in prompts:
-        expected = reference_model.dflash_generate(
-            draft_model, target, torch.tensor([prompt.input_ids]), 40, stops, return_stats=True
-        )
-        got = speculative_generate(ours, target, prompt.input_ids, 40, stops)
-        assert got.new_tokens == expected.output_ids[0, len(prompt.input_ids) :].tolist(), prompt.source
-        assert got.acceptance_lengths == expected.acceptance_lengths, prompt.source
-        longest.append(max(expected.acceptance_lengths))
-    assert max(longest) > 3  # trained: the comparison covered accepted drafts
-
-
-@pytest.mark.parametrize(
-    "target_fields, expected",
-    [
-        ({}, {}),  # a Qwen3 target scales nothing: the export stays as it was
-        (
-            {"model_type": "gemma2", "final_logit_softcapping": 30.0},
-            {"input_embedding_scale": 8.0, "final_logit_softcapping": 30.0},  # sqrt(64)
-        ),
-        (
-            {"model_type": "granite", "embedding_multiplier": 12.0, "logits_scaling": 8.0},
-            {"input_embedding_scale": 12.0, "output_multiplier": 0.125},
-        ),
-    ],
-)
-def test_null_scaling_fields_follow_what_the_target_does(target_fields, expected):
-    target = TARGET.to_dict() | target_fields
-    nulls = dict.fromkeys(SCALING)
-    config = build_drafter_config(target, 2, [1, 3], BLOCK, VOCAB - 1, scaling=nulls)
-    assert {key: config.dflash_config[key] for key in SCALING if key in config.dflash_config} == expected
-    # Set values win over the target's, and a cap of 0 turns the target's cap off.
-    chosen = build_drafter_config(
-        target, 2, [1, 3], BLOCK, VOCAB - 1, scaling={**SCALING, "final_logit_softcapping": 0.0}
-    )
-    assert chosen.dflash_config["input_embedding_scale"] == 2.5
-    assert "final_logit_softcapping" not in chosen.dflash_config
-
-
-def test_config_yaml_records_the_scaling_the_run_used(tmp_path):
-    import shutil
-
-    from dflash_mp.config.schema import compose_config, run_config, to_dataclass
-    from dflash_mp.embedded import target_dir
-
-    target = tmp_path / "gemma-like"  # the embedded target, its config.json saying Gemma 2
-    shutil.copytree(target_dir(), target)
-    config = json.loads((target / "config.json").read_text())
-    (target / "config.json").write_text(json.dumps(config | {"model_type": "gemma2"}))
-    cfg = to_dataclass(compose_config([f"model.target_path={target}", "model.output_multiplier=0.5"]))
-    recorded = run_config(cfg).model
-    hidden = config["hidden_size"]
-    assert (recorded.input_embedding_scale, recorded.output_multiplier) == (hidden**0.5, 0.5)
-    assert recorded.final_logit_softcapping is None

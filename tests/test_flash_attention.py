@@ -23,7 +23,7 @@ from dflash_mp.models import drafter as drafter_module
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import build_drafter_config
 from dflash_mp.objective.block_diffusion import drafter_loss
-from tests.test_block_diffusion import make_sequences
+from tests.block_problems import make_sequences
 
 HIDDEN, VOCAB, BLOCK, SEQ_LEN = 64, 300, 16, 150
 TARGET = Qwen3Config(
@@ -205,10 +205,10 @@ def _flash_runs_here() -> bool:
 
 def _compare_with_fp32_sdpa(context_len: int) -> None:
     """FA4 with the CuTe rule against fp32 SDPA on the dense mask, at the tolerance bf16 flex meets
-    (test_block_diffusion). Flex itself is not run here: compiling it for more shapes in one process
+    (test_block_diffusion.py). Flex itself is not run here: compiling it for more shapes in one process
     pushed flex_attention past dynamo's recompile limit, and later GPU tests got its eager fallback."""
     from dflash_mp.kernels.block_mask import dense_block_mask
-    from tests.test_block_diffusion import random_anchors
+    from tests.block_problems import random_anchors
 
     num_anchors, block_size, heads, kv_heads, head_dim = 37, 16, 8, 2, 128
     queries, keys = num_anchors * block_size, context_len + num_anchors * block_size
