@@ -25,6 +25,8 @@ SCALING = {"input_embedding_scale": 2.5, "output_multiplier": 0.6, "final_logit_
 
 
 def fields_drafter(arch: str, window: int | None, scaling: dict | None = None) -> DFlashDrafter:
+    """A 3-layer drafter on TARGET (sliding layers around a full one when `window` is set), its norms
+    and convolutions moved off their initial values."""
     config = build_drafter_config(
         TARGET,
         3,
