@@ -110,12 +110,27 @@ def _owned(run_dir: Path, state: dict[str, Any]) -> list[int]:
     return sorted(pids)
 
 
+def _is_run_dir(run_dir: Path, state: dict[str, Any]) -> bool:
+    """A job started here: the launcher's job.json, the job's log, or the lock (plain torchrun's rank 0
+    takes it before it writes the log)."""
+    return bool(state) or job_log_path(run_dir).exists() or (run_dir / LOCK_NAME).exists()
+
+
+def _not_a_run_dir(run_dir: Path) -> int:
+    """A mistyped RUN_DIR: say so (exit 2, a bad argument) rather than report a job that never was."""
+    print(
+        f"{run_dir}: not a run directory (no job.json, logs/job.log or {LOCK_NAME}): give the run_dir "
+        "a job was started with",
+        file=sys.stderr,
+    )
+    return 2
+
+
 def status(run_dir: Path) -> int:
     """Print running / finished / failed ..., exit code, last step, heartbeat ages, last log lines."""
     state, log_path = read_job_state(run_dir), job_log_path(run_dir)
-    if not state and not log_path.exists():
-        print(f"{run_dir}: not a run directory (no job.json, no logs/job.log)", file=sys.stderr)
-        return 1
+    if not _is_run_dir(run_dir, state):
+        return _not_a_run_dir(run_dir)
     now = time.time()
     beats = read_heartbeats(run_dir)
     label = state.get("state", "unknown (not started by dflash_mp.launch)")
@@ -156,6 +171,8 @@ def stop(run_dir: Path, timeout_s: float = STOP_TIMEOUT_S) -> int:
     """SIGTERM the job (drafters checkpoint at the next step), SIGKILL what is left after `timeout_s`.
     Works from the run directory alone, whichever of the job's processes is already gone."""
     state = read_job_state(run_dir)
+    if not _is_run_dir(run_dir, state):
+        return _not_a_run_dir(run_dir)
     started = time.monotonic()
     owned = _owned(run_dir, state)
     supervisor, pgid = _supervisor(state), state.get("pgid")
