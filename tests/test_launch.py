@@ -370,16 +370,11 @@ def test_killing_the_launcher_ends_the_whole_job(tmp_path, adopt_orphans):
 def test_status_and_stop_of_a_path_that_is_no_run_directory_exit_2_naming_it(tmp_path, command) -> None:
     """A mistyped RUN_DIR is a bad argument (exit 2, like every entry point's), not an empty job."""
     typo = tmp_path / "no-such-run"
-
-    def launch() -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "dflash_mp.launch", command, str(typo)]
-        return subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=60)
-
-    proc = launch()
+    proc = launch_cli(command, str(typo))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"{typo}: not a run directory" in proc.stderr and "None" not in proc.stdout
     # The lock alone makes it one (plain torchrun's rank 0 takes it before writing job.log).
     typo.mkdir()
     (typo / LOCK_NAME).touch()
-    proc = launch()
+    proc = launch_cli(command, str(typo))
     assert proc.returncode == 0 and "not a run directory" not in proc.stderr, proc.stdout + proc.stderr
