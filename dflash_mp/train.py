@@ -161,8 +161,13 @@ def _preflight_under_plain_torchrun(cfg: RootConfig, run_dir: Path, job: Job) ->
         _exit_early(EXIT_CONFIG_ERROR)
 
 
+_composed = False  # Hydra composed the command line and called main()
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> int:
+    global _composed
+    _composed = True
     if __name__ == "__main__":  # the program (a launcher or a fresh rank), before torch is imported
         startup.pause()  # resumed once its stack is imported
     if _under_torchrun():
@@ -181,5 +186,18 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def _run_as_program() -> None:
+    """main(), with a command line Hydra cannot compose (an unknown key, a value of the wrong type, a
+    group option that does not exist) ending as the config error it is: Hydra exits 1 there, before
+    main() runs; the launcher's preflight exits 2 for the same mistakes."""
+    try:
+        main()
+    except SystemExit as e:
+        if e.code == 1 and not _composed:
+            print("dflash_mp: the overrides above were refused; no worker was started", file=sys.stderr)
+            raise SystemExit(EXIT_CONFIG_ERROR) from None
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    _run_as_program()

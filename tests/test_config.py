@@ -1,5 +1,8 @@
 """Config validation: every problem named with its field and the valid range, all at once."""
 
+import subprocess
+import sys
+
 import pytest
 
 from dflash_mp.config.schema import ConfigError, compose_config, default_target_layer_ids, to_dataclass
@@ -125,3 +128,26 @@ def test_gamma_follows_the_block_size_unless_set(block_size, gamma):
 def test_a_non_positive_gamma_is_refused():
     with pytest.raises(ConfigError, match="train.gamma=0"):
         validate(_cfg("train.gamma=0"), world_size=3)
+
+
+@pytest.mark.parametrize(
+    ("entry", "override", "named"),
+    [
+        ("dflash_mp.train", "optim.lrr=1", "optim.lrr"),  # no such key
+        ("dflash_mp.train", "topology=nope", "topology/nope"),  # no such group option
+        ("dflash_mp.launch run", "optim.lr=abc", "optim.lr"),  # the wrong type
+        ("dflash_mp.launch doctor", "optim.lrr=1", "optim.lrr"),
+    ],
+)
+def test_overrides_hydra_cannot_compose_exit_2_naming_them_on_every_entry_point(
+    tmp_path, entry, override, named
+):
+    """A config error exits 2 (the exit-code table), also where Hydra refuses the command line itself."""
+    from tests.conftest import REPO, job_env
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", *entry.split(), f"run_dir={run}", override]
+    proc = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert named in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    assert not (run / "heartbeats").exists()  # no worker started

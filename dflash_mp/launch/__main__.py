@@ -158,9 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from dflash_mp import doctor
 
-        checks = doctor.preflight(
-            _compose(args.overrides), run_dir, args.nnodes, args.nproc_per_node, args.port
-        )
+        try:
+            dict_cfg = _compose(args.overrides)
+        except Exception as e:  # an unknown key, a wrong type or group option, named by Hydra
+            print(doctor.format_checks([doctor.Check("config", False, str(e))]))
+            return EXIT_PREFLIGHT
+        checks = doctor.preflight(dict_cfg, run_dir, args.nnodes, args.nproc_per_node, args.port)
         print(doctor.format_checks(checks))
         return EXIT_PREFLIGHT if doctor.failed(checks) else EXIT_SUCCEEDED
     started = time.monotonic()
