@@ -57,8 +57,12 @@ def main(argv: list[str] | None = None) -> None:
     from dflash_mp.config.validation import validate
     from dflash_mp.runtime.distributed import pick_device
 
-    cfg = to_dataclass(compose_config(sys.argv[1:] if argv is None else argv))
-    validate(cfg)
+    try:
+        cfg = to_dataclass(compose_config(sys.argv[1:] if argv is None else argv))
+        validate(cfg)
+    except Exception as e:  # Hydra's refusal of an override, or every invalid field (ConfigError)
+        print(f"dflash_mp.reference: {e}", file=sys.stderr)
+        sys.exit(2)  # a config error, as on the other entry points (1 is a failed run)
     records: list[dict] = []
     reference_train(cfg, device=pick_device(cfg.train.device, local_rank=0), on_step=records.append)
     records = [r for r in records if r["loss"] is not None]  # steps skipped for want of loss tokens

@@ -151,3 +151,14 @@ def test_overrides_hydra_cannot_compose_exit_2_naming_them_on_every_entry_point(
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert named in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
     assert not (run / "heartbeats").exists()  # no worker started
+
+
+@pytest.mark.parametrize(
+    ("override", "named"), [("train.max_steps=-5", "train.max_steps=-5"), ("optim.lrr=1", "optim.lrr")]
+)
+def test_the_reference_trainer_refuses_a_bad_config_with_exit_2(override, named, capsys):
+    from dflash_mp import reference
+
+    with pytest.raises(SystemExit) as exit_info:
+        reference.main([override])
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err
