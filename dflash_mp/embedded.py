@@ -367,7 +367,9 @@ def write_data() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m dflash_mp.embedded",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--write-data", action="store_true", help="regenerate the bundled JSONL data")
     parser.add_argument(

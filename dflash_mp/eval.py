@@ -70,7 +70,9 @@ def _load_drafter(path: Path, step: int | None) -> tuple[DFlashDrafter, Path | N
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m dflash_mp.eval",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("drafter", type=Path, help="run directory, export directory or checkpoint directory")
     parser.add_argument(

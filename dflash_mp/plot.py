@@ -13,7 +13,9 @@ from dflash_mp.run.plots import plot_run
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m dflash_mp.plot",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run_dir", type=Path, help="the training run directory (holds metrics.jsonl)")
     args = parser.parse_args(argv)

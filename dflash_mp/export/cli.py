@@ -17,7 +17,9 @@ from dflash_mp.export.hf import drafter_from_checkpoint, export_drafter, vllm_pa
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m dflash_mp.export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "run_dir", type=Path, help="the training run directory (holds config.yaml and checkpoints/)"

@@ -197,7 +197,9 @@ def make_handler(chat: TargetChat, api_key: str | None) -> type[BaseHTTPRequestH
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m dflash_mp.regenerate.serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--target", required=True, help="local HF target directory, or `embedded`")
     parser.add_argument(
