@@ -194,7 +194,7 @@ def _run_as_program() -> None:
         main()
     except SystemExit as e:
         if e.code == 1 and not _composed:
-            print("dflash_mp: the overrides above were refused; no worker was started", file=sys.stderr)
+            print("dflash_mp: the overrides above were refused; nothing was run", file=sys.stderr)
             raise SystemExit(EXIT_CONFIG_ERROR) from None
         raise
 

@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.server is None:  # the local path's stack, imported before the collector resumes
         import torch  # noqa: F401
         import transformers  # noqa: F401
-    startup.resume()  # dflash_mp.run.startup
+    startup.resume()
     settings = Settings(
         max_length=args.max_length,
         max_new_tokens=args.max_new_tokens,
