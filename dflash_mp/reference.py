@@ -12,6 +12,7 @@ from dflash_mp.config.precision import resolve_precision
 from dflash_mp.config.schema import RootConfig
 from dflash_mp.data import open_records
 from dflash_mp.runtime.roles import (
+    data_order,
     hidden_states_for_drafter,
     make_feature_extractor,
     make_reader,
@@ -27,9 +28,10 @@ def reference_train(cfg: RootConfig, device: torch.device | str = "cpu", on_step
     device = torch.device(device)
     topology = Topology(targets=1, drafters=1, grad_accum=cfg.train.grad_accum)
     index = open_records(list(cfg.data.train_files))
-    steps = total_steps(cfg, len(index), topology)
+    order = data_order(cfg, index)
+    steps = total_steps(cfg, order, topology)
     dtype, _, compile_layers = resolve_precision(cfg, device)
-    reader = make_reader(cfg, index)
+    reader = make_reader(cfg, index, order)
     extractor = make_feature_extractor(cfg, dtype, device, compile_layers)
     trainer = DrafterTrainer(cfg, device, steps)
     bad_before = too_long_before = 0

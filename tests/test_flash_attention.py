@@ -74,13 +74,13 @@ def _dense_from_tiles(counts, indices, full_counts, full_indices, rows: int, col
     return expand(counts, indices), expand(full_counts, full_indices)
 
 
-def _reference_mask(anchors, tiles, block_size, queries, keys, transposed: bool):
+def _reference_mask(anchors, starts, tiles, block_size, queries, keys, transposed: bool):
     if transposed:  # backward lists: query tiles per key tile
         partial, full = _dense_from_tiles(*tiles, keys, queries)
         partial, full = partial.transpose(1, 2), full.transpose(1, 2)
     else:
         partial, full = _dense_from_tiles(*tiles, queries, keys)
-    rule = block_mask_mod(anchors, keys - queries, block_size)
+    rule = block_mask_mod(anchors, keys - queries, block_size, starts=starts)
     b = torch.arange(anchors.shape[0])[:, None, None]
     allowed = rule(b, None, torch.arange(queries)[None, :, None], torch.arange(keys)[None, None, :])
     return (full | (partial & allowed))[:, None]  # [B, 1, Q, K]
@@ -120,14 +120,14 @@ class DenseKernels:
     def __init__(self):
         self.calls = {"forward": 0, "backward": 0}
 
-    def forward(self, q, k, v, anchors, tiles, block_size, scale):
+    def forward(self, q, k, v, anchors, starts, tiles, block_size, scale):
         self.calls["forward"] += 1
-        mask = _reference_mask(anchors, tiles, block_size, q.shape[1], k.shape[1], transposed=False)
+        mask = _reference_mask(anchors, starts, tiles, block_size, q.shape[1], k.shape[1], transposed=False)
         return _reference_attention(q, k, v, mask, scale)
 
-    def backward(self, grad_out, q, k, v, out, lse, anchors, tiles, block_size, scale):
+    def backward(self, grad_out, q, k, v, out, lse, anchors, starts, tiles, block_size, scale):
         self.calls["backward"] += 1
-        mask = _reference_mask(anchors, tiles, block_size, q.shape[1], k.shape[1], transposed=True)
+        mask = _reference_mask(anchors, starts, tiles, block_size, q.shape[1], k.shape[1], transposed=True)
         return _reference_gradients(grad_out, q, k, v, out, mask, scale)
 
 

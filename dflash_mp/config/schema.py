@@ -79,8 +79,11 @@ class DataConfig:
     max_length: int = 3072
     # Micro-batches are right-padded to a multiple of this many tokens (fewer shapes to compile).
     pad_to_multiple: int = 64
-    # Anchor positions sampled per sequence (each starts one draft block).
+    # Anchor positions sampled per sequence (each starts one draft block); packed rows: per
+    # max_length tokens, spread over the documents by their length (docs/data.md, Packing).
     num_anchors: int = 512
+    # Pack whole records into rows of at most max_length tokens (each document sees only itself).
+    packing: bool = False
     # What to do with a malformed record: skip it (counted, logged with file:line) or fail.
     on_bad_record: str = "skip"
     # A record longer than max_length: truncate it (loss mask kept aligned) or skip it.
@@ -182,6 +185,8 @@ class TrainConfig:
     # Replay the target's forward from CUDA graphs, one per padded micro-batch shape: "auto" (on for
     # a GPU target that is not tensor-parallel), true or false (models/target_graphs.py).
     cuda_graphs: str = "auto"
+    # Recompute each draft layer's forward in its backward instead of keeping its activations (long rows).
+    activation_checkpointing: bool = False
     # Write the HF-format drafter to run_dir/export at the end of training.
     export: bool = True
 

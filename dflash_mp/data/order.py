@@ -100,6 +100,10 @@ class DataOrder:
         self.per_epoch = micro_batches_per_epoch(num_records, micro_batch_size)
         self._epoch, self._permutation = -1, []
 
+    def micro_batches(self, epochs: int) -> int:
+        """Micro-batches in the first `epochs` epochs."""
+        return epochs * self.per_epoch
+
     def records(self, m: int) -> tuple[int, list[int]]:
         epoch, j = divmod(m, self.per_epoch)
         if epoch != self._epoch:

@@ -91,7 +91,10 @@ class MicroBatch:
     input_ids: torch.Tensor  # int64 [B, S], padded with the tokenizer's pad id
     loss_mask: torch.Tensor  # uint8 [B, S]: 1 on assistant tokens (uint8 travels over gloo and NCCL alike)
     lengths: torch.Tensor  # int64 [B], real tokens per row
-    sample_ids: torch.Tensor  # int64 [B], global record indices
+    sample_ids: torch.Tensor  # int64 [B], global record indices (of each row's first document)
+    # Packed rows (data.packing): int64 [B, S], the record index of the document at each position,
+    # -1 on padding (dflash_mp.models.packed_rows); None: one record per row.
+    document_ids: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -126,6 +129,29 @@ def collate(
         lengths=torch.tensor(lengths, dtype=torch.long),
         sample_ids=torch.tensor([sample.sample_id for sample in samples], dtype=torch.long),
     )
+
+
+def collate_packed(
+    index: int, epoch: int, rows: list[list[Sample]], pad_id: int, pad_to_multiple: int = 1
+) -> MicroBatch:
+    """Rows of whole records back to back, right-padded; `document_ids` says where each one lies."""
+    joined = [
+        Sample(
+            sample_id=row[0].sample_id,
+            input_ids=[t for s in row for t in s.input_ids],
+            loss_mask=[t for s in row for t in s.loss_mask],
+        )
+        for row in rows
+    ]
+    batch = collate(index, epoch, joined, pad_id, pad_to_multiple)
+    document_ids = torch.full_like(batch.input_ids, -1)
+    for r, row in enumerate(rows):
+        at = 0
+        for sample in row:
+            document_ids[r, at : at + len(sample.input_ids)] = sample.sample_id
+            at += len(sample.input_ids)
+    batch.document_ids = document_ids
+    return batch
 
 
 class MicroBatchReader:
@@ -227,3 +253,54 @@ class MicroBatchReader:
             "fix the data (`python -m dflash_mp.launch doctor` lists examples with file:line) "
             "or raise data.max_bad_fraction"
         )
+
+
+class PackedMicroBatchReader(MicroBatchReader):
+    """MicroBatchReader for data.packing: micro-batch m is B rows of whole records
+    (dflash_mp.data.packing), read and tokenized by the rank that produces it.
+
+    The records a packing index marked unusable are never read; they are counted once per
+    epoch, by the rank producing the epoch's first micro-batch, so the counters' sums over the
+    target ranks stay the same for any number of them.
+    """
+
+    def __init__(self, *args: Any, lengths: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        from dflash_mp.data import packing
+
+        self.lengths = lengths
+        self.order = packing.PackedOrder(
+            lengths.lengths, self.max_length, self.order.micro_batch_size, self.order.seed
+        )
+        self._unusable = {
+            "bad": lengths.count(packing.BAD),
+            "too_long": lengths.count(packing.TOO_LONG) + lengths.count(packing.TRUNCATED),
+        }
+
+    def read(self, m: int) -> MicroBatch:
+        epoch, rows = self.order.records(m)
+        if self.order.first_of_epoch(m):
+            self.bad_records += self._unusable["bad"]
+            self.too_long_records += self._unusable["too_long"]
+            self.records_read += self._unusable["bad"]
+        packed = [[self._sample(record_id) for record_id in row] for row in rows]
+        return collate_packed(m, epoch, packed, self.pad_id, self.pad_to_multiple)
+
+    def _sample(self, record_id: int) -> Sample:
+        path, line, raw = self.index.read_bytes(record_id)
+        self.records_read += 1
+        try:
+            sample = parse_record(
+                raw, path, line, self.tokenizer, self.max_length, record_id,
+                renderer=self.renderer, on_too_long=self.on_too_long,
+            )  # fmt: skip
+        except BadRecord as bad:
+            raise DataError(
+                f"{bad}: it was usable when the packing index was built; did the file change?"
+            ) from None
+        if len(sample.input_ids) != self.lengths.lengths[record_id]:
+            raise DataError(
+                f"{path}:{line} has {len(sample.input_ids)} tokens, {self.lengths.lengths[record_id]} when the "
+                "packing index was built: the data or the tokenizer changed under a running job"
+            )
+        return sample

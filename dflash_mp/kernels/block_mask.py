@@ -21,7 +21,13 @@ from torch.nn.attention.flex_attention import BlockMask
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
-def block_mask_mod(anchors: Tensor, context_len: int, block_size: int, window: int | None = None) -> MaskMod:
+def block_mask_mod(
+    anchors: Tensor,
+    context_len: int,
+    block_size: int,
+    window: int | None = None,
+    starts: Tensor | None = None,
+) -> MaskMod:
     """mask_mod(b, h, q_idx, kv_idx) -> True where the query may attend the key.
 
     Keys are [context 0..S-1 ; block tokens]. Query q is in block n = q // Bs; it sees context
@@ -32,12 +38,17 @@ def block_mask_mod(anchors: Tensor, context_len: int, block_size: int, window: i
     A sliding-attention layer (`window` set) also needs |query position - key position| < window,
     the reference's `_attention_mask` rule (non-causal): query q sits at a_n + q % Bs, context key
     j at j, block key t at a_n + t % Bs.
+
+    Packed rows (`starts` [B, N]: where block n's document begins) see context from there only:
+    starts[b, n] <= j < a_n.
     """
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         block = q_idx // block_size
         anchor = anchors[b, block]
         sees_context = kv_idx < anchor
+        if starts is not None:
+            sees_context = sees_context & (kv_idx >= starts[b, block])
         in_own_block = (kv_idx >= context_len) & ((kv_idx - context_len) // block_size == block)
         if window is None:
             return sees_context | in_own_block
@@ -49,12 +60,18 @@ def block_mask_mod(anchors: Tensor, context_len: int, block_size: int, window: i
     return mask_mod
 
 
-def dense_block_mask(anchors: Tensor, context_len: int, block_size: int, window: int | None = None) -> Tensor:
+def dense_block_mask(
+    anchors: Tensor,
+    context_len: int,
+    block_size: int,
+    window: int | None = None,
+    starts: Tensor | None = None,
+) -> Tensor:
     """The block-sparse mask as a dense bool tensor [B,1,Q,S+Q] (True = attend) for SDPA."""
     batch, num_anchors = anchors.shape
     num_queries = num_anchors * block_size
     device = anchors.device
-    mask_mod = block_mask_mod(anchors, context_len, block_size, window)
+    mask_mod = block_mask_mod(anchors, context_len, block_size, window, starts)
     return mask_mod(
         torch.arange(batch, device=device)[:, None, None, None],
         torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device),
@@ -91,7 +108,11 @@ def _row_major(tensor: Tensor) -> Tensor:
 
 
 def flex_block_mask(
-    anchors: Tensor, context_len: int, block_size: int, window: int | None = None
+    anchors: Tensor,
+    context_len: int,
+    block_size: int,
+    window: int | None = None,
+    starts: Tensor | None = None,
 ) -> BlockMask:
     """The block-sparse mask as a flex_attention BlockMask (heads broadcast), built tile by tile.
 
@@ -102,7 +123,9 @@ def flex_block_mask(
     does (compiled, that took 155 s of cold start on an H200; eager, it materialises the pairs).
     Partial tiles apply `block_mask_mod` element by element, so the result is exact. With a
     `window`, a context tile is full only if also every query lies within the window of every key,
-    and listed at all only if some query can reach its last key.
+    and listed at all only if some query can reach its last key. With `starts` (packed rows), a
+    context tile is listed only if some query's document begins before its end, and full only if
+    every query's document begins at or before its start.
     """
     batch, num_anchors = anchors.shape
     num_queries = num_anchors * block_size
@@ -122,6 +145,16 @@ def flex_block_mask(
     # Context keys [key_start, min(key_end, S)): query q sees key j iff j < anchor(q).
     sees_context = (key_start < context_len) & (key_start < highest)
     all_context = (key_end <= context_len) & (key_end <= lowest)
+    if starts is not None:
+        padded_starts = starts[:, :, None].expand(batch, num_anchors, block_size).reshape(batch, num_queries)
+        padded_starts = torch.cat([padded_starts, padded_starts[:, -1:].expand(batch, padding)], dim=1)
+        tile_starts = padded_starts.view(batch, q_tiles, FLEX_TILE)
+        first_start, last_start = (
+            tile_starts.min(-1).values[:, :, None],
+            tile_starts.max(-1).values[:, :, None],
+        )
+        sees_context = sees_context & (key_end > first_start)
+        all_context = all_context & (last_start <= key_start)
     if window is not None:
         sees_context = sees_context & (lowest - (key_end - 1) < window)
         all_context = all_context & (highest + block_size - 1 - key_start < window)
@@ -155,7 +188,7 @@ def flex_block_mask(
         full_q_num_blocks=full_q_count,
         full_q_indices=full_q_indices,
         BLOCK_SIZE=(FLEX_TILE, FLEX_TILE),
-        mask_mod=block_mask_mod(anchors, context_len, block_size, window),
+        mask_mod=block_mask_mod(anchors, context_len, block_size, window, starts),
     )
 
 
@@ -165,14 +198,24 @@ class TileMask(NamedTuple):
     tiles: BlockMask  # which (128 x 128) tiles are skipped, whole or partial, in both orientations
     anchors: Tensor  # int32 [B, A]: block n's anchor; padded to whole query tiles with the last one
     block_size: int
+    starts: Tensor | None = None  # int32 [B, A], packed rows: where block n's document begins
 
 
-def tile_block_mask(anchors: Tensor, context_len: int, block_size: int) -> TileMask:
+def tile_block_mask(
+    anchors: Tensor, context_len: int, block_size: int, starts: Tensor | None = None
+) -> TileMask:
     """The mask as a TileMask (full-attention layers; sliding ones take `flex_block_mask`)."""
     batch, num_anchors = anchors.shape
     # FA4 evaluates the rule on whole query tiles: every row of the last tile needs an anchor.
     rows = -(-num_anchors * block_size // FLEX_TILE) * FLEX_TILE
     padding = -(-rows // block_size) - num_anchors
-    padded = torch.cat([anchors, anchors[:, -1:].expand(batch, padding)], dim=1)
-    tiles = flex_block_mask(anchors, context_len, block_size)
-    return TileMask(tiles, padded.to(torch.int32).contiguous(), block_size)
+
+    def padded(per_block: Tensor) -> Tensor:
+        return (
+            torch.cat([per_block, per_block[:, -1:].expand(batch, padding)], dim=1)
+            .to(torch.int32)
+            .contiguous()
+        )
+
+    tiles = flex_block_mask(anchors, context_len, block_size, starts=starts)
+    return TileMask(tiles, padded(anchors), block_size, None if starts is None else padded(starts))

@@ -79,8 +79,9 @@ def cute_mask_rule(block_size: int) -> Callable:
     """The DFlash mask as a CuTe DSL mask_mod, compiled into FA4's kernels (block size fixed).
 
     Keys are [context 0..S-1 ; block tokens]; S = seqlen_k - seqlen_q. Query q of block
-    n = q // Bs sees context key j iff j < anchors[b, n], and key S + t iff t lies in its own
-    block: 0 <= t - n * Bs < Bs (a range test, so no division of negative numbers).
+    n = q // Bs sees context key j iff starts[b, n] <= j < anchors[b, n] (starts: where a packed
+    row's document begins, else 0), and key S + t iff t lies in its own block:
+    0 <= t - n * Bs < Bs (a range test, so no division of negative numbers).
     """
     import cutlass
     import cutlass.cute as cute
@@ -88,14 +89,15 @@ def cute_mask_rule(block_size: int) -> Callable:
 
     @cute.jit
     def dflash_mask(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
-        anchors = aux_tensors[0]
+        anchors, starts = aux_tensors[0], aux_tensors[1]
         size = utils.scalar_to_ssa(block_size, cutlass.Int32)
         block = q_idx // size
         anchor = utils.scalar_to_ssa(anchors[batch[0], block[0]], cutlass.Int32)
+        start = utils.scalar_to_ssa(starts[batch[0], block[0]], cutlass.Int32)
         context_len = utils.scalar_to_ssa(seqlen_info.seqlen_k - seqlen_info.seqlen_q, cutlass.Int32)
         in_block = kv_idx - context_len - block * size
         zero = utils.scalar_to_ssa(0, cutlass.Int32)
-        return (kv_idx < anchor) | ((in_block >= zero) & (in_block < size))
+        return ((kv_idx < anchor) & (kv_idx >= start)) | ((in_block >= zero) & (in_block < size))
 
     return dflash_mask
 
@@ -108,7 +110,7 @@ def _tile_lists(counts: Tensor, indices: Tensor, full_counts: Tensor, full_indic
     )
 
 
-def _fa4_forward(q, k, v, anchors, tiles, block_size, scale):
+def _fa4_forward(q, k, v, anchors, starts, tiles, block_size, scale):
     from flash_attn.cute.interface import _flash_attn_fwd
 
     out, lse, *_ = _flash_attn_fwd(
@@ -117,14 +119,14 @@ def _fa4_forward(q, k, v, anchors, tiles, block_size, scale):
         v,
         softmax_scale=scale,
         mask_mod=cute_mask_rule(block_size),
-        aux_tensors=[anchors],
+        aux_tensors=[anchors, starts],
         block_sparse_tensors=_tile_lists(*tiles),
         return_lse=True,
     )
     return out, lse
 
 
-def _fa4_backward(grad_out, q, k, v, out, lse, anchors, tiles, block_size, scale):
+def _fa4_backward(grad_out, q, k, v, out, lse, anchors, starts, tiles, block_size, scale):
     from flash_attn.cute.interface import _flash_attn_bwd
 
     dq, dk, dv = _flash_attn_bwd(
@@ -136,7 +138,7 @@ def _fa4_backward(grad_out, q, k, v, out, lse, anchors, tiles, block_size, scale
         lse,
         softmax_scale=scale,
         mask_mod=cute_mask_rule(block_size),
-        aux_tensors=[anchors],
+        aux_tensors=[anchors, starts],
         block_sparse_tensors=_tile_lists(*tiles),
     )
     return dq, dk, dv
@@ -144,9 +146,9 @@ def _fa4_backward(grad_out, q, k, v, out, lse, anchors, tiles, block_size, scale
 
 @dataclass
 class _Kernels:
-    # forward(q, k, v, anchors, kv tiles, block_size, scale) -> (out, lse [B, H, Q] fp32)
+    # forward(q, k, v, anchors, starts, kv tiles, block_size, scale) -> (out, lse [B, H, Q] fp32)
     forward: Callable = _fa4_forward
-    # backward(grad_out, q, k, v, out, lse, anchors, q tiles, block_size, scale) -> (dq, dk, dv)
+    # backward(grad_out, q, k, v, out, lse, anchors, starts, q tiles, block_size, scale) -> (dq, dk, dv)
     backward: Callable = _fa4_backward
 
 
@@ -159,6 +161,7 @@ def _attention_op(
     k: Tensor,
     v: Tensor,
     anchors: Tensor,
+    starts: Tensor,
     kv_counts: Tensor,
     kv_indices: Tensor,
     full_kv_counts: Tensor,
@@ -172,12 +175,12 @@ def _attention_op(
 ) -> tuple[Tensor, Tensor]:
     # The query-side lists are inputs only so that the backward can have them.
     tiles = (kv_counts, kv_indices, full_kv_counts, full_kv_indices)
-    out, lse = _KERNELS.forward(q, k, v, anchors, tiles, block_size, scale)
+    out, lse = _KERNELS.forward(q, k, v, anchors, starts, tiles, block_size, scale)
     return out.contiguous(), lse.contiguous()  # the layouts the fake promises (no copy from FA4)
 
 
 @_attention_op.register_fake
-def _(q, k, v, anchors, *tiles_and_settings):
+def _(q, k, v, anchors, starts, *tiles_and_settings):
     batch, queries, heads, _ = q.shape
     out = q.new_empty(batch, queries, heads, v.shape[-1])
     return out, q.new_empty(batch, heads, queries, dtype=torch.float32)
@@ -192,6 +195,7 @@ def _attention_backward_op(
     out: Tensor,
     lse: Tensor,
     anchors: Tensor,
+    starts: Tensor,
     q_counts: Tensor,
     q_indices: Tensor,
     full_q_counts: Tensor,
@@ -200,7 +204,9 @@ def _attention_backward_op(
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     tiles = (q_counts, q_indices, full_q_counts, full_q_indices)
-    grads = _KERNELS.backward(grad_out.contiguous(), q, k, v, out, lse, anchors, tiles, block_size, scale)
+    grads = _KERNELS.backward(
+        grad_out.contiguous(), q, k, v, out, lse, anchors, starts, tiles, block_size, scale
+    )
     return tuple(grad.contiguous() for grad in grads)
 
 
@@ -210,21 +216,21 @@ def _(grad_out, q, k, v, *saved_and_settings):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, anchors = inputs[:4]
-    q_tiles = inputs[8:12]
-    block_size, scale = inputs[12:]
+    q, k, v, anchors, starts = inputs[:5]
+    q_tiles = inputs[9:13]
+    block_size, scale = inputs[13:]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, anchors, *q_tiles)
+    ctx.save_for_backward(q, k, v, out, lse, anchors, starts, *q_tiles)
     ctx.block_size, ctx.scale = block_size, scale
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, anchors, *q_tiles = ctx.saved_tensors
+    q, k, v, out, lse, anchors, starts, *q_tiles = ctx.saved_tensors
     dq, dk, dv = _attention_backward_op(
-        grad_out, q, k, v, out, lse, anchors, *q_tiles, ctx.block_size, ctx.scale
+        grad_out, q, k, v, out, lse, anchors, starts, *q_tiles, ctx.block_size, ctx.scale
     )
-    return (dq, dk, dv) + (None,) * 11
+    return (dq, dk, dv) + (None,) * 12
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -241,6 +247,7 @@ def flash_block_attention(q: Tensor, k: Tensor, v: Tensor, mask: TileMask, scale
         k.contiguous(),
         v.contiguous(),
         mask.anchors,
+        mask.starts if mask.starts is not None else torch.zeros_like(mask.anchors),
         tiles.kv_num_blocks,
         tiles.kv_indices,
         tiles.full_kv_num_blocks,

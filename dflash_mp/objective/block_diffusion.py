@@ -270,7 +270,14 @@ def per_position_accuracy(correct: Tensor, count: Tensor) -> list[float]:
 
 
 def loss_blocks(
-    drafter: nn.Module, batch: Any, *, seed: int, num_anchors: int, gamma: float, attention: str
+    drafter: nn.Module,
+    batch: Any,
+    *,
+    seed: int,
+    num_anchors: int,
+    gamma: float,
+    attention: str,
+    row_tokens: int | None = None,
 ) -> DraftBlocks:
     """The anchors, block tokens, labels and mask `drafter_loss` trains `drafter` on for `batch`.
 
@@ -291,6 +298,7 @@ def loss_blocks(
             gamma=gamma,
             attention=attention,
             window=getattr(drafter_module, "sliding_window", None),  # sliding layers' own mask
+            row_tokens=row_tokens,  # packed rows: num_anchors per this many tokens
         )
 
 
@@ -307,6 +315,7 @@ def drafter_loss(
     selector_alpha: float = 1.0,
     selector_gold: str = "drop",
     blocks: DraftBlocks | None = None,
+    row_tokens: int | None = None,
 ) -> tuple[Tensor, LossStats]:
     """The DFlash loss of one micro-batch; shared by the reference trainer and the drafter ranks.
 
@@ -323,7 +332,13 @@ def drafter_loss(
     """
     if blocks is None:
         blocks = loss_blocks(
-            drafter, batch, seed=seed, num_anchors=num_anchors, gamma=gamma, attention=attention
+            drafter,
+            batch,
+            seed=seed,
+            num_anchors=num_anchors,
+            gamma=gamma,
+            attention=attention,
+            row_tokens=row_tokens,
         )
     drafter_module = getattr(drafter, "module", drafter)
     input_ids = batch.input_ids
@@ -347,7 +362,9 @@ def drafter_loss(
         forward_args = (
             batch.hidden_states,
             block_embeddings,
-            context_positions(batch_size, seq_len, input_ids.device),
+            context_positions(batch_size, seq_len, input_ids.device)
+            if blocks.context_positions is None
+            else blocks.context_positions,
             blocks.positions,
             blocks.mask,
         )

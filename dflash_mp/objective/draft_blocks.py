@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_mp.kernels.block_mask import dense_block_mask, flex_block_mask, tile_block_mask
+from dflash_mp.models.packed_rows import document_index, document_positions, start_of_document
 
 # ----------------------------------------------------------------------------- anchors
 
@@ -51,14 +52,21 @@ def anchor_keys(seed: int, epoch: int, sample_ids: Tensor, seq_len: int) -> Tens
     Anchors therefore depend on the record only, never on the topology or batch composition
     (docs/DESIGN.md §2 determinism), and are fresh each epoch (§3).
     """
-    ids = sample_ids.long()
+    positions = torch.arange(seq_len, device=sample_ids.device)
+    return document_anchor_keys(seed, epoch, sample_ids[:, None], positions[None, :])
+
+
+def document_anchor_keys(seed: int, epoch: int, document_ids: Tensor, positions: Tensor) -> Tensor:
+    """`anchor_keys` of a record's tokens wherever they sit: keys of (seed, epoch, record id,
+    position within the record), broadcast over `document_ids` and `positions`. A record packed
+    with others draws the keys it draws alone."""
+    ids = document_ids.long()
     stream = _mix32(torch.full_like(ids, seed & _MASK32))
     stream = _mix32(stream ^ (epoch & _MASK32))
     stream = _mix32(stream ^ (ids & _MASK32))
     stream = _mix32(stream ^ ((ids >> 32) & _MASK32))
-    positions = torch.arange(seq_len, device=ids.device)
     # 0x9E3779B1 (the 32-bit golden ratio) spreads consecutive positions before mixing.
-    return _mix32(_mix32((stream[:, None] + positions * 0x9E3779B1) & _MASK32))
+    return _mix32(_mix32((stream + positions * 0x9E3779B1) & _MASK32))
 
 
 def sample_anchors(
@@ -96,6 +104,53 @@ def sample_anchors(
     if picked < num_anchors:  # more slots than positions: pad with invalid slots
         anchors = torch.cat([anchors, anchors.new_zeros(batch, num_anchors - picked)], dim=1)
         valid = torch.cat([valid, valid.new_zeros(batch, num_anchors - picked)], dim=1)
+    return anchors, valid
+
+
+def sample_document_anchors(
+    loss_mask: Tensor,
+    lengths: Tensor,
+    document_ids: Tensor,
+    epoch: int,
+    seed: int,
+    num_anchors: int,
+    row_tokens: int,
+) -> tuple[Tensor, Tensor]:
+    """`sample_anchors` for packed rows (data.packing): anchors per document.
+
+    Document d of a row gets floor(num_anchors * len_d / row_tokens) anchors (row_tokens =
+    data.max_length): the recipe's density of num_anchors per max_length tokens, kept per
+    document, so a row's budget never exceeds num_anchors. They are its eligible positions (as
+    `sample_anchors`, with p + 1 in the same document) with the smallest keys of (seed, epoch,
+    record, position in the record): a record draws the same anchors whatever it is packed with.
+    """
+    batch, seq_len = loss_mask.shape
+    device = loss_mask.device
+    positions = torch.arange(seq_len, device=device)
+    in_document = document_positions(document_ids)
+    response = loss_mask.bool()
+    same_next = F.pad(document_ids[:, 1:] == document_ids[:, :-1], (0, 1), value=False)
+    next_is_response = F.pad(response[:, 1:], (0, 1), value=False)
+    eligible = response & next_is_response & same_next & (in_document >= 1) & (document_ids >= 0)
+    eligible &= positions + 1 < lengths[:, None].to(device)
+    # (key, position in the record) order; 2**20 > any position, so the pair never collides.
+    keys = document_anchor_keys(seed, epoch, document_ids, in_document) * (1 << 20) + in_document
+    keys = torch.where(eligible, keys, torch.iinfo(torch.int64).max)
+    index = document_index(document_ids)
+    sizes = torch.zeros_like(index).scatter_add_(1, index, torch.ones_like(index)).gather(1, index)
+    budget = num_anchors * sizes // row_tokens
+    # Group the positions by document (a document's group spans its own columns), keys ascending.
+    by_key = keys.argsort(dim=-1, stable=True)
+    grouped = by_key.gather(1, index.gather(1, by_key).argsort(dim=-1, stable=True))
+    rank = positions - start_of_document(document_ids)  # rank of a sorted slot within its group
+    chosen = (rank < budget.gather(1, grouped)) & eligible.gather(1, grouped)
+    picked = torch.where(chosen, grouped, seq_len).sort(dim=-1).values[:, : min(num_anchors, seq_len)]
+    valid = picked < seq_len
+    anchors = torch.where(valid, picked, 0)
+    if anchors.shape[1] < num_anchors:  # more slots than positions: pad with invalid slots
+        pad = num_anchors - anchors.shape[1]
+        anchors = torch.cat([anchors, anchors.new_zeros(batch, pad)], dim=1)
+        valid = torch.cat([valid, valid.new_zeros(batch, pad)], dim=1)
     return anchors, valid
 
 
@@ -141,8 +196,10 @@ def block_labels(
     valid: Tensor,
     block_size: int,
     gamma: float,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Labels [B,N,Bs] and loss weights [B,N,Bs] float32.
+    """Labels [B,N,Bs] and loss weights [B,N,Bs] float32 (packed rows: labels of the anchor's
+    own document only).
 
     The label at block index k is x[a + k], NOT x[a + k + 1]: the block's first slot already
     holds x[a], and inference reads output k as the token at p + k (docs/DESIGN.md §3). Index 0 has
@@ -157,9 +214,11 @@ def block_labels(
     flat_positions = label_positions.clamp(max=seq_len - 1).flatten(1)
     labels = input_ids.gather(1, flat_positions).view_as(label_positions)
     is_response = loss_mask.bool().gather(1, flat_positions).view_as(label_positions)
-    weights = (
-        loss_decay(block_size, gamma, anchors.device) * (valid[:, :, None] & in_range & is_response).float()
-    )
+    scored = valid[:, :, None] & in_range & is_response
+    if document_ids is not None:
+        label_documents = document_ids.gather(1, flat_positions).view_as(label_positions)
+        scored &= label_documents == document_ids.gather(1, anchors)[:, :, None]
+    weights = loss_decay(block_size, gamma, anchors.device) * scored.float()
     return labels, weights
 
 
@@ -172,6 +231,7 @@ class DraftBlocks(NamedTuple):
     labels: Tensor  # [B, N, Bs]
     weights: Tensor  # [B, N, Bs] float32 loss weights
     mask: Any  # BlockMask (flex), TileMask (flash) or dense bool (sdpa); or one per layer type
+    context_positions: Tensor | None = None  # [B, S] packed rows' positions in their documents
 
 
 def draft_blocks(
@@ -184,24 +244,47 @@ def draft_blocks(
     gamma: float,
     attention: str,
     window: int | None = None,
+    row_tokens: int | None = None,
 ) -> DraftBlocks:
     """Anchors, block tokens, labels and mask of one micro-batch (`batch` as `drafter_loss` takes it).
 
     `window` (a drafter with sliding-attention layers) adds the sliding layers' mask: `mask` is then
-    {"full_attention": ..., "sliding_attention": ...}. Small eager ops (torch.compile of them took
+    {"full_attention": ..., "sliding_attention": ...}. A batch of packed rows (`document_ids` not
+    None) takes anchors per document (`sample_document_anchors`, `row_tokens` = data.max_length),
+    positions within the document, and a mask that sees only the anchor's own document. Small eager ops (torch.compile of them took
     minutes to compile on an H200, and failed on a new sequence length; see BENCHMARKS.md).
     """
     seq_len = batch.input_ids.shape[1]
-    anchors, valid = sample_anchors(
-        batch.loss_mask, batch.lengths, batch.sample_ids, batch.epoch, seed, num_anchors
-    )
-    ids, positions = block_inputs(batch.input_ids, anchors, block_size, mask_token_id)
+    document_ids = getattr(batch, "document_ids", None)
+    if document_ids is None:
+        anchors, valid = sample_anchors(
+            batch.loss_mask, batch.lengths, batch.sample_ids, batch.epoch, seed, num_anchors
+        )
+        ids, positions = block_inputs(batch.input_ids, anchors, block_size, mask_token_id)
+        starts = context = None
+    else:
+        anchors, valid = sample_document_anchors(
+            batch.loss_mask,
+            batch.lengths,
+            document_ids,
+            batch.epoch,
+            seed,
+            num_anchors,
+            row_tokens or seq_len,
+        )
+        ids, _ = block_inputs(batch.input_ids, anchors, block_size, mask_token_id)
+        context = document_positions(document_ids)
+        offsets = torch.arange(block_size, device=anchors.device)
+        positions = (context.gather(1, anchors)[:, :, None] + offsets).flatten(1)
+        starts = start_of_document(document_ids).gather(1, anchors)
     labels, weights = block_labels(
-        batch.input_ids, batch.loss_mask, batch.lengths, anchors, valid, block_size, gamma
+        batch.input_ids, batch.loss_mask, batch.lengths, anchors, valid, block_size, gamma, document_ids
     )
     build_mask = dense_block_mask if attention == "sdpa" else flex_block_mask
     # FlashAttention 4 serves the full-attention layers; sliding ones keep flex (its rule has no window).
-    mask = (tile_block_mask if attention == "flash" else build_mask)(anchors, seq_len, block_size)
+    full_mask = tile_block_mask if attention == "flash" else build_mask
+    mask = full_mask(anchors, seq_len, block_size, starts=starts)
     if window is not None:
-        mask = {"full_attention": mask, "sliding_attention": build_mask(anchors, seq_len, block_size, window)}
-    return DraftBlocks(ids, positions, labels, weights, mask)
+        sliding = build_mask(anchors, seq_len, block_size, window, starts=starts)
+        mask = {"full_attention": mask, "sliding_attention": sliding}
+    return DraftBlocks(ids, positions, labels, weights, mask, context)

@@ -35,7 +35,14 @@ from dflash_mp.runtime import watchdog
 from dflash_mp.runtime.colocated import run_colocated
 from dflash_mp.runtime.distributed import Job
 from dflash_mp.runtime.resume import agree_on_start, job_data_layout, load_resume_state
-from dflash_mp.runtime.roles import make_feature_extractor, make_reader, run_drafter, run_target, total_steps
+from dflash_mp.runtime.roles import (
+    data_order,
+    make_feature_extractor,
+    make_reader,
+    run_drafter,
+    run_target,
+    total_steps,
+)
 from dflash_mp.runtime.target_parallel import replica_mesh
 from dflash_mp.runtime.topology import Role
 from dflash_mp.training.trainer import DrafterTrainer
@@ -49,20 +56,21 @@ def run_job(cfg: RootConfig, job: Job, run_dir: Path) -> None:
     log.info("role %s on %s, run_dir %s", job.role.value, job.device, run_dir)
 
     records = open_records(list(cfg.data.train_files))
-    steps = total_steps(cfg, len(records), job.topology)
+    order = data_order(cfg, records)
+    steps = total_steps(cfg, order, job.topology)
     layout_at = job_data_layout(cfg, job.topology, records)
     start_step, state = agree_on_start(cfg, job, run_dir, layout_at, steps)
     watchdog.beat("load", start_step)
     dtype, _, compile_layers = resolve_precision(cfg, job.device)
 
     if job.role is Role.TARGET:
-        reader = make_reader(cfg, records)
+        reader = make_reader(cfg, records, order)
         mesh = replica_mesh(job.replica_group, job.device)
         extractor = make_feature_extractor(cfg, dtype, job.device, compile_layers, mesh=mesh)
         run_target(cfg, job, start_step, steps, reader, extractor, dtype)
         return
 
-    run_role = drafter_role(cfg, job, records, dtype, compile_layers)
+    run_role = drafter_role(cfg, job, records, order, dtype, compile_layers)
     trainer = DrafterTrainer(
         cfg, job.device, steps, group=job.drafter_group, stop_requested=watchdog.stop_requested
     )
@@ -107,7 +115,7 @@ def resolved_config(cfg: RootConfig) -> dict:
 
 
 def drafter_role(
-    cfg: RootConfig, job: Job, records: Records, dtype: torch.dtype, compile_layers: bool
+    cfg: RootConfig, job: Job, records: Records, order, dtype: torch.dtype, compile_layers: bool
 ) -> Callable[..., None]:
     """The training loop of this rank: a drafter's (receive, train), or a colocated rank's, which
     reads its own micro-batches and runs the target on them first."""
@@ -115,7 +123,7 @@ def drafter_role(
         return run_drafter
     return functools.partial(
         run_colocated,
-        reader=make_reader(cfg, records),
+        reader=make_reader(cfg, records, order),
         extractor=make_feature_extractor(cfg, dtype, job.device, compile_layers),
         dtype=dtype,
     )

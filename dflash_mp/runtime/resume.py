@@ -53,6 +53,8 @@ def data_layout(cfg: RootConfig, topology: Topology, data: dict[str, Any], step:
         "grad_accum": topology.grad_accum,
         "drafters": topology.drafters,
         "epochs": cfg.train.epochs,
+        # Packed rows depend on the row length too; unpacked, it changes no record's place.
+        "packing": cfg.data.max_length if cfg.data.packing else False,
         "data": data,
     }
 
@@ -63,6 +65,7 @@ _SETTING = {
     "epochs": "train.epochs",
     "grad_accum": "train.grad_accum",
     "drafters": "topology.drafters",
+    "packing": "data.packing (with data.max_length)",
 }
 
 
@@ -77,7 +80,8 @@ def _refuse(field: str, old: Any, new: Any, checkpoint: str) -> ResumeRefused:
 def check_settings(saved: dict, current: dict, checkpoint: str) -> list[str]:
     """check_layout's part that needs only the config (no data read): seed, micro-batch size,
     epochs and micro-batches per step. `current["drafters"]` None (not known yet) skips the last."""
-    for key in ("micro_batch_size", "seed", "epochs"):
+    saved = {"packing": False, **saved}  # checkpoints from before data.packing: unpacked
+    for key in ("micro_batch_size", "seed", "epochs", "packing"):
         if saved[key] != current[key]:
             raise _refuse(_SETTING[key], saved[key], current[key], checkpoint)
     notes: list[str] = []
@@ -208,6 +212,7 @@ def resume_problem(cfg: RootConfig, run_dir: Path, world_size: int | None) -> st
         "micro_batch_size": cfg.train.micro_batch_size,
         "seed": cfg.train.seed,
         "epochs": cfg.train.epochs,
+        "packing": cfg.data.max_length if cfg.data.packing else False,
         "grad_accum": cfg.train.grad_accum,
         "drafters": drafters,
     }

@@ -9,8 +9,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dflash_mp.config.precision import resolve_cuda_graphs
 from dflash_mp.config.schema import RootConfig, read_target_config, resolved_target_layer_ids
-from dflash_mp.data import MicroBatch, MicroBatchReader, Records, micro_batches_per_epoch, padded_width
+from dflash_mp.data import DataOrder, MicroBatch, MicroBatchReader, Records, packing, padded_width
 from dflash_mp.data.chat import load_renderer
+from dflash_mp.data.reader import PackedMicroBatchReader
 from dflash_mp.run.logs import get_logger
 from dflash_mp.runtime.distributed import Job
 from dflash_mp.runtime.topology import Topology
@@ -20,27 +21,47 @@ from dflash_mp.training.features import Features
 from dflash_mp.training.trainer import PreparedBatch
 
 
-def total_steps(cfg: RootConfig, num_records: int, topology: Topology) -> int:
+def data_order(cfg: RootConfig, records: Records, renderer=None):
+    """Micro-batch -> records of this job's data: DataOrder, or PackedOrder under data.packing
+    (which reads the packing index: every record's token count, cached)."""
+    if not cfg.data.packing:
+        return DataOrder(len(records), cfg.train.micro_batch_size, cfg.train.seed)
+    renderer = renderer or _renderer(cfg)
+    lengths = packing.job_lengths(records, renderer, cfg.data, get_logger())
+    order = packing.PackedOrder(
+        lengths.lengths, cfg.data.max_length, cfg.train.micro_batch_size, cfg.train.seed
+    )
+    order.record_lengths = lengths
+    return order
+
+
+def total_steps(cfg: RootConfig, order, topology: Topology) -> int:
     """Optimizer steps of the run: train.max_steps, or whole steps in train.epochs passes."""
     if cfg.train.max_steps > 0:
         return cfg.train.max_steps
-    per_epoch = micro_batches_per_epoch(num_records, cfg.train.micro_batch_size)
-    steps = cfg.train.epochs * per_epoch // topology.micro_batches_per_step
+    steps = order.micro_batches(cfg.train.epochs) // topology.micro_batches_per_step
     if steps == 0:
+        unit = "packed rows" if cfg.data.packing else "sequences"
         raise ValueError(
-            f"the data ({num_records} records) makes no whole optimizer step of "
-            f"{topology.micro_batches_per_step} micro-batches x {cfg.train.micro_batch_size} sequences: "
-            "lower train.grad_accum / train.micro_batch_size or add data"
+            f"the data ({order.micro_batches(cfg.train.epochs)} micro-batches in {cfg.train.epochs} epoch(s)) "
+            f"makes no whole optimizer step of {topology.micro_batches_per_step} micro-batches x "
+            f"{cfg.train.micro_batch_size} {unit}: lower train.grad_accum / train.micro_batch_size or add data"
         )
     return steps
 
 
-def make_reader(cfg: RootConfig, index: Records) -> MicroBatchReader:
+def _renderer(cfg: RootConfig):
     d = cfg.data
-    renderer = load_renderer(
+    return load_renderer(
         cfg.model.target_path, cfg.model.trust_remote_code, d.chat_template, d.chat_template_kwargs
     )
-    return MicroBatchReader(
+
+
+def make_reader(cfg: RootConfig, index: Records, order=None) -> MicroBatchReader:
+    """The reader of a target rank; `order`: this job's `data_order` (packed data reuses its index)."""
+    d = cfg.data
+    renderer = _renderer(cfg)
+    options = dict(
         index=index,
         tokenizer=renderer.tokenizer,
         max_length=cfg.data.max_length,
@@ -53,6 +74,11 @@ def make_reader(cfg: RootConfig, index: Records) -> MicroBatchReader:
         on_too_long=d.on_too_long,
         max_bad_fraction=d.max_bad_fraction,
     )
+    if not d.packing:
+        return MicroBatchReader(**options)
+    if order is None or not hasattr(order, "record_lengths"):
+        order = data_order(cfg, index, renderer)
+    return PackedMicroBatchReader(**options, lengths=order.record_lengths)
 
 
 def make_feature_extractor(
@@ -135,11 +161,16 @@ def run_target(cfg: RootConfig, job: Job, start_step: int, steps: int, reader, e
         batch_size, seq_len = batch.input_ids.shape
         # The header goes out before the forward, so the drafter can post its receives early.
         if leader:
-            sender.send_header(dst, m, batch.epoch, batch_size, seq_len, feature_size, dtype, bad, too_long)
+            packed = batch.document_ids is not None
+            sender.send_header(
+                dst, m, batch.epoch, batch_size, seq_len, feature_size, dtype, bad, too_long, packed=packed
+            )
         beat("forward", step)
         with sender.clock.busy():
             hidden = hidden_states_for_drafter(extractor, batch, dtype, job.device)
-        tokens = pack_tokens(batch.input_ids, batch.loss_mask, batch.lengths, batch.sample_ids)
+        tokens = pack_tokens(
+            batch.input_ids, batch.loss_mask, batch.lengths, batch.sample_ids, batch.document_ids
+        )
         beat("send", step)
         if leader:
             sender.send_tensors(dst, tokens, hidden)

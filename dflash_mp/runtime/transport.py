@@ -38,6 +38,7 @@ HEADER_LEN = 16
 _MAGIC = 0xDF1A54
 _VERSION = 1
 FLAG_END_OF_DATA = 1
+FLAG_PACKED = 2  # the rows pack several documents: their document ids follow the tokens
 # Header receives a drafter keeps posted beyond the micro-batch whose tensors it receives next:
 # two, so the header of i+2 has the whole compute of i to arrive before i+1 is handed out.
 HEADER_LOOKAHEAD = 2
@@ -49,16 +50,30 @@ _H_MAGIC, _H_VERSION, _H_FLAGS, _H_INDEX, _H_EPOCH, _H_BATCH, _H_SEQ, _H_FEAT, _
 _H_BAD_RECORDS, _H_SENDER_BUSY_US, _H_SENDER_WAIT_US, _H_TOO_LONG = 9, 10, 11, 12
 
 
-def pack_tokens(input_ids, loss_mask, lengths, sample_ids) -> torch.Tensor:
-    """The four small integer tensors as one contiguous int64 [B, 2S+2] tensor (one message)."""
-    return torch.cat(
-        [input_ids.long(), loss_mask.long(), lengths.long()[:, None], sample_ids.long()[:, None]], dim=1
-    ).contiguous()
+def pack_tokens(input_ids, loss_mask, lengths, sample_ids, document_ids=None) -> torch.Tensor:
+    """The small integer tensors as one contiguous int64 tensor (one message): [B, 2S+2], and
+    [B, 3S+2] with packed rows' document ids."""
+    parts = [input_ids.long(), loss_mask.long(), lengths.long()[:, None], sample_ids.long()[:, None]]
+    if document_ids is not None:
+        parts.append(document_ids.long())
+    return torch.cat(parts, dim=1).contiguous()
+
+
+def token_columns(seq_len: int, packed: bool) -> int:
+    return (3 if packed else 2) * seq_len + 2
 
 
 def unpack_tokens(tokens: torch.Tensor, seq_len: int):
+    """(input_ids, loss_mask, lengths, sample_ids) of `pack_tokens`' message."""
     s = seq_len
     return tokens[:, :s], tokens[:, s : 2 * s], tokens[:, 2 * s], tokens[:, 2 * s + 1]
+
+
+def unpack_document_ids(tokens: torch.Tensor, seq_len: int) -> torch.Tensor | None:
+    """The packed rows' document ids of `pack_tokens`' message; None for unpacked rows."""
+    if tokens.shape[1] == token_columns(seq_len, packed=False):
+        return None
+    return tokens[:, 2 * seq_len + 2 :]
 
 
 @dataclass
@@ -129,9 +144,11 @@ class Sender:
         dtype,
         bad: int,
         too_long: int = 0,
+        packed: bool = False,
     ):
         """Announce micro-batch `index` (shapes) before its hidden states exist."""
-        header = self._header(0, index, epoch, batch, seq, feat, dtype, bad, too_long)
+        flags = FLAG_PACKED if packed else 0
+        header = self._header(flags, index, epoch, batch, seq, feat, dtype, bad, too_long)
         self._send_header(dst, header)
 
     def _send_header(self, dst: int, header: torch.Tensor) -> None:
@@ -299,7 +316,8 @@ class Receiver:
                 f"got {h[_H_INDEX]}: routing mismatch between target and drafter ranks"
             )
         batch, seq, feat = h[_H_BATCH], h[_H_SEQ], h[_H_FEAT]
-        tokens = torch.empty(batch, 2 * seq + 2, dtype=torch.int64, device=self.device)
+        packed = bool(h[_H_FLAGS] & FLAG_PACKED)
+        tokens = torch.empty(batch, token_columns(seq, packed), dtype=torch.int64, device=self.device)
         hidden = torch.empty(batch, seq, feat, dtype=_DTYPES[h[_H_DTYPE]], device=self.device)
         end = bool(h[_H_FLAGS] & FLAG_END_OF_DATA)
         works = []
@@ -318,6 +336,7 @@ class Receiver:
             lengths=lengths,
             sample_ids=sample_ids,
             hidden_states=hidden,
+            document_ids=unpack_document_ids(tokens, seq),
             end_of_data=end,
             bad_records=h[_H_BAD_RECORDS],
             too_long_records=h[_H_TOO_LONG],

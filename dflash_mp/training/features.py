@@ -24,6 +24,9 @@ class Features:
     lengths: torch.Tensor  # int64 [B]
     sample_ids: torch.Tensor  # int64 [B]
     hidden_states: torch.Tensor  # [B, S, K*H]
+    # Packed rows: int64 [B, S] record id of the document at each position, -1 on padding
+    # (dflash_mp.models.packed_rows); None: one record per row.
+    document_ids: torch.Tensor | None = None
     end_of_data: bool = False
     # Sender-side counters carried in the header (for the role-balance metrics).
     bad_records: int = 0
@@ -52,6 +55,7 @@ def features_of(
         sample_ids=batch.sample_ids.to(device),
         # The extractor runs under inference_mode; autograd may not save such tensors.
         hidden_states=hidden_states.clone(),
+        document_ids=None if batch.document_ids is None else batch.document_ids.to(device),
         bad_records=bad_records,
         too_long_records=too_long_records,
         nbytes=0,

@@ -72,6 +72,8 @@ class DrafterTrainer:
         if cfg.train.attention == "flash":  # "auto" only chose flash after the same check
             check_flash_supported(device)
         self.drafter = (drafter if drafter is not None else build_drafter(cfg)).to(device)
+        # Each draft layer's forward runs again in the backward; compiled layers are recomputed compiled.
+        self.drafter.gradient_checkpointing = cfg.train.activation_checkpointing
         if embed_and_head is None:
             embed_and_head = load_embedding_and_head(
                 cfg.model.target_path, dtype=self.hidden_dtype, device=device
@@ -134,6 +136,7 @@ class DrafterTrainer:
             num_anchors=self.cfg.data.num_anchors,
             gamma=self.cfg.train.gamma,
             attention=self.attention,
+            row_tokens=self.cfg.data.max_length,
         )
         return PreparedBatch(batch, inputs, blocks)
 
