@@ -5,6 +5,7 @@
     python -m dflash_mp.eval RUN_DIR --benchmarks [NAME=]FILE ... [--limit N] [--max-new-tokens N]
         [--temperature T ...] [--thinking both|on|off] [--top-k K] [--top-p P] [--out FILE]
         [--server URL [--served-only] [--tolerance 0.1] ...]
+    either form: [--length-buckets 512,1024,4096]
 
 Decodes every prompt with the drafter proposing each block (`dflash_mp.evaluation.decoding`; a DFlash 2
 drafter proposes through its candidate selector) and plainly with the target, and writes tau
@@ -15,6 +16,8 @@ and 1 and with thinking on and off where the chat template has the switch
 (`dflash_mp.evaluation.benchmark_table`). With --server, a running vLLM or SGLang server decodes
 the same prompts and its own acceptance counters are printed beside tau
 (`dflash_mp.evaluation.served_acceptance`).
+Both give tau by prompt length too, in buckets read against the run's data.max_length
+(`dflash_mp.evaluation.length_buckets`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dflash_mp.evaluation.acceptance import (
     resolve_device,
 )
 from dflash_mp.evaluation.benchmark_table import format_benchmark_table, plan_table, run_table
+from dflash_mp.evaluation.length_buckets import LengthBuckets, parse_edges
 from dflash_mp.evaluation.prompts import EvalError, held_out_prompt_files, load_prompts
 from dflash_mp.evaluation.served_acceptance import add_served_arguments, measure_served
 from dflash_mp.evaluation.served_comparison import print_served, report_served_only, served_summary
@@ -68,7 +72,7 @@ def _load_drafter(path: Path, step: int | None) -> tuple[DFlashDrafter, Path | N
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dflash_mp.eval",
         description=__doc__,
@@ -135,7 +139,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="result JSON (default: RUN_DIR/eval.json, with --benchmarks RUN_DIR/eval-benchmarks.json; "
         "else in the current directory)",
     )
+    parser.add_argument(
+        "--length-buckets",
+        type=parse_edges,
+        metavar="N,N,...",
+        help="tau by prompt length: the largest prompt length (tokens) of each bucket, e.g. 512,1024,4096 "
+        "(default: powers of two from 256 below the run's data.max_length; data.max_length is always one)",
+    )
     add_served_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     problem = _sampling_problem(args)
     if problem:
@@ -155,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_cfg.model.target_path if run_cfg is not None else str(embedded_path("target"))
         )
         run_data = run_cfg.data if run_cfg is not None else {}
+        lengths = LengthBuckets(run_data.get("max_length"), args.length_buckets)
         if benchmarks is None:
             prompt_files = held_out_prompt_files(args.prompts or run_data.get("eval_files", []), target_path)
         # The server first: it is quick to fail, and --served-only needs no local target.
@@ -186,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 thinking=args.thinking,
                 top_k=args.top_k,
                 top_p=args.top_p,
+                lengths=lengths,
             )
         target = load_target_model(target_path, dtype, device, trust_remote_code)
         # The drafter runs in the target's dtype, as an inference engine loads it.
@@ -212,8 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 seed=args.seed,
                 baseline=True,
                 per_prompt=True,
+                lengths=lengths,
             )
-            result["prompt_files"] = [str(p) for p in prompt_files]
     except (EvalError, BenchmarkError, FileNotFoundError) as e:
         print(f"dflash_mp.eval: {e}", file=sys.stderr)
         return 2

@@ -150,9 +150,27 @@ def test_command_line_prints_and_writes_the_table(
         )
         assert row["speedup"] > 0 and len(row["acceptance_rate"]) == table["block_size"] - 1
         assert row.get("matches_autoregressive", True) is True
+        # An export without its run: data.max_length unknown, powers of two from 256 up to the
+        # longest prompt. These prompts are short: one bucket, whose numbers are the row's exactly.
+        assert row["training_max_length"] is None and row["length_bucket_edges"] == [256]
+        (bucket,) = row["length_buckets"]
+        assert (bucket["label"], bucket["num_prompts"], bucket["beyond_max_length"]) == (
+            "<= 256",
+            row["num_prompts"],
+            False,
+        )
+        assert bucket["tau"] == row["tau"]
+        assert bucket["tokens_per_target_forward"] == row["tokens_per_target_forward"]
     lines = stdout.splitlines()
     assert any(line.startswith("benchmark") and "tau" in line and "speedup" in line for line in lines)
     assert sum(line.startswith(("gsm8k ", "mtbench ")) for line in lines) == 4
+    by_length = lines[lines.index("tau by prompt length (data.max_length unknown)") + 2 :]
+    assert [line.split()[:5] for line in by_length[:4]] == [
+        ["gsm8k", "0", "-", "<=", "256"],
+        ["gsm8k", "1", "-", "<=", "256"],
+        ["mtbench", "0", "-", "<=", "256"],
+        ["mtbench", "1", "-", "<=", "256"],
+    ]
 
 
 def test_command_line_refuses_a_bad_benchmark_before_loading_anything(

@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from dflash_mp.config.schema import compose_config
 from dflash_mp.eval import main
 from dflash_mp.evaluation.acceptance import (
     AcceptanceEvaluator,
+    acceptance_summary,
     evaluate_acceptance,
     require_room_for_target,
     stop_token_ids,
 )
-from dflash_mp.evaluation.decoding import _rejection_sample, autoregressive_generate, speculative_generate
+from dflash_mp.evaluation.decoding import (
+    Generation,
+    _rejection_sample,
+    autoregressive_generate,
+    speculative_generate,
+)
+from dflash_mp.evaluation.length_buckets import LengthBuckets, bucket_index
 from dflash_mp.evaluation.prompts import EvalError, Prompt, load_eval_prompts, load_prompts
 from dflash_mp.export.hf import export_drafter
 from dflash_mp.models.drafter import DFlashDrafter
@@ -217,12 +227,108 @@ def test_a_drafter_for_another_target_is_an_error(setup: dict) -> None:
 
 
 def test_command_line_on_an_export(setup: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    export_dir = export_drafter(setup["drafter"], tmp_path / "export")
+    # The export of a run whose data.max_length lies between the two prompts' lengths, with one
+    # edge of --length-buckets at the first prompt's length exactly.
+    short, long = (len(p.input_ids) for p in setup["prompts"][:2])
+    assert short + 1 < long
+    run = tmp_path / "run"
+    run.mkdir()
+    OmegaConf.save(compose_config([f"data.max_length={short + 1}"]), run / "config.yaml", resolve=True)
+    export_dir = export_drafter(setup["drafter"], run / "export")
     out = tmp_path / "eval.json"
-    assert main([str(export_dir), "--num-prompts", "2", "--max-new-tokens", "16", "--out", str(out)]) == 0
+    argv = [str(export_dir), "--num-prompts", "2", "--max-new-tokens", "16", "--out", str(out)]
+    assert main([*argv, "--length-buckets", str(short)]) == 0
     result = json.loads(out.read_text())
     assert result["num_prompts"] == 2 and result["tau"] > 1 and result["matches_autoregressive"]
-    assert "tau (mean acceptance length)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "tau (mean acceptance length)" in printed
+
+    # tau by prompt length: data.max_length joins the chosen edges; a prompt on an edge is in the
+    # bucket below it; the prompt past data.max_length is kept, in the bucket marked beyond it.
+    assert result["training_max_length"] == short + 1
+    assert result["length_bucket_edges"] == [short, short + 1]
+    first, second = result["length_buckets"]  # the empty bucket short+1..short+1 is left out
+    assert first == {
+        "label": f"<= {short}",
+        "min_prompt_tokens": 1,
+        "max_prompt_tokens": short,
+        "beyond_max_length": False,
+        "num_prompts": 1,
+        "tau": pytest.approx(statistics.fmean(result["prompts"][0]["acceptance_lengths"])),
+        "tokens_per_target_forward": pytest.approx(
+            16 / (1 + len(result["prompts"][0]["acceptance_lengths"]))
+        ),
+    }
+    assert (second["label"], second["min_prompt_tokens"], second["max_prompt_tokens"]) == (
+        f"> {short + 1}",
+        short + 2,
+        None,
+    )
+    assert second["beyond_max_length"] and second["num_prompts"] == 1
+    assert f"tau by prompt length (data.max_length {short + 1})" in printed
+    assert any(
+        line.split()[:2] == [">", str(short + 1)] and line.endswith("> max_length")
+        for line in printed.splitlines()
+    )
 
     assert main([str(tmp_path)]) == 2
     assert "neither a run directory" in capsys.readouterr().err
+    for bad in ("512,abc", "1024,512", "0,512", ""):
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, "--length-buckets", bad])
+        assert exit_.value.code == 2
+        assert f"argument --length-buckets: {bad!r}" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------- by length
+
+
+def test_prompt_lengths_fall_in_buckets_by_their_largest_length() -> None:
+    edges = [256, 512, 1024]
+    assert [bucket_index(n, edges) for n in (1, 256, 257, 512, 513, 1024, 1025, 10**6)] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+        3,
+    ]
+    # Powers of two from 256 below data.max_length, then data.max_length itself.
+    assert LengthBuckets(3072).edges(longest=50_000) == [256, 512, 1024, 2048, 3072]
+    assert LengthBuckets(4096).edges(longest=10) == [256, 512, 1024, 2048, 4096]
+    assert LengthBuckets(128).edges(longest=500) == [128]
+    # Unknown training length: powers of two up to the longest prompt.
+    assert LengthBuckets().edges(longest=700) == [256, 512, 1024]
+    assert LengthBuckets().edges(longest=3) == [256]
+    # Chosen edges, with data.max_length added when the run's config gives it.
+    assert LengthBuckets(3072, (512, 1024, 4096)).edges(longest=1) == [512, 1024, 3072, 4096]
+    assert LengthBuckets(None, (512, 1024)).edges(longest=5000) == [512, 1024]
+
+
+def _run(lengths: list[int]) -> Generation:
+    # The prefill's token, then each verify round's.
+    return Generation([7] * (1 + sum(lengths)), 0.01, 1 + len(lengths), lengths, [len(lengths)], [0])
+
+
+def test_tau_of_a_bucket_is_the_overall_rule_on_its_prompts() -> None:
+    prompts = [Prompt(f"p{i}", [1] * n) for i, n in enumerate((10, 300, 300, 5000))]
+    runs = [_run(rounds) for rounds in ([3, 1, 2], [5, 4], [1], [2, 2, 1, 1, 1])]
+    one = acceptance_summary(prompts, runs, None, 2, 16, 0.0, lengths=LengthBuckets(None, (10**6,)))
+    (bucket,) = one["length_buckets"]
+    assert bucket["num_prompts"] == 4 and bucket["label"] == "<= 1000000"
+    # Exactly: the mean over every verify round of the bucket's prompts, not a mean of per-prompt means.
+    assert (
+        bucket["tau"] == one["tau"]
+        and bucket["tokens_per_target_forward"] == one["tokens_per_target_forward"]
+    )
+    split = acceptance_summary(prompts, runs, None, 2, 16, 0.0, lengths=LengthBuckets(3072))
+    assert [(b["label"], b["num_prompts"], b["beyond_max_length"]) for b in split["length_buckets"]] == [
+        ("<= 256", 1, False),
+        ("257-512", 2, False),
+        ("> 3072", 1, True),
+    ]
+    assert split["length_buckets"][1]["tau"] == statistics.fmean([5, 4, 1])
+    assert split["length_buckets"][1]["tokens_per_target_forward"] == (10 + 2) / (3 + 2)
+    assert "length_buckets" not in acceptance_summary(prompts, runs, None, 2, 16, 0.0)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dflash_mp.evaluation.decoding import Generation, autoregressive_generate, speculative_generate
+from dflash_mp.evaluation.length_buckets import LengthBuckets, format_buckets
 from dflash_mp.evaluation.prompts import EvalError, Prompt, has_held_out_prompts, load_eval_prompts
 
 if TYPE_CHECKING:  # annotations only: the preflight imports this without the models
@@ -128,11 +129,13 @@ def evaluate_acceptance(
     seed: int = 0,
     baseline: bool = False,
     per_prompt: bool = False,
+    lengths: LengthBuckets | None = None,
 ) -> dict[str, Any]:
     """Speculative decoding of every prompt; returns tau and friends as plain JSON-able numbers
     (`acceptance_summary`). Sampling (temperature > 0) draws from the distributions cut by top_k
     and top_p (0 and 1: uncut). `baseline` also decodes every prompt autoregressively for the
-    speedup. The drafter is put in eval mode for the call and restored after.
+    speedup; `lengths` adds tau by prompt length. The drafter is put in eval mode for the call and
+    restored after.
     """
     check_drafter_fits(drafter, target_model.config)
     context = getattr(target_model.config.get_text_config(), "max_position_embeddings", None)
@@ -163,8 +166,19 @@ def evaluate_acceptance(
             for p in prompts
         ]
     return acceptance_summary(
-        prompts, runs, plain, drafter.block_size, max_new_tokens, temperature, per_prompt
+        prompts, runs, plain, drafter.block_size, max_new_tokens, temperature, per_prompt, lengths
     )
+
+
+def pooled_rates(runs: Sequence[Generation]) -> dict[str, float]:
+    """tau, the mean over the verify rounds of all `runs` together, and new tokens per target
+    forward (prefills included): of all the prompts, and of each bucket of `LengthBuckets`."""
+    lengths = [n for run in runs for n in run.acceptance_lengths]
+    new_tokens = sum(len(run.new_tokens) for run in runs)
+    return {
+        "tau": statistics.fmean(lengths) if lengths else 0.0,
+        "tokens_per_target_forward": new_tokens / sum(run.target_forwards for run in runs),
+    }
 
 
 def acceptance_summary(
@@ -175,25 +189,26 @@ def acceptance_summary(
     max_new_tokens: int,
     temperature: float,
     per_prompt: bool = False,
+    lengths: LengthBuckets | None = None,
 ) -> dict[str, Any]:
     """tau and friends of speculative decodings `runs` of `prompts` (and of their autoregressive
-    decodings `plain`, for the speedup), as plain JSON-able numbers.
+    decodings `plain`, for the speedup), as plain JSON-able numbers; with `lengths`, also tau and
+    tokens per target forward by prompt length.
 
     tau is the mean acceptance length (tokens per verify forward, bonus included, as in the DFlash
     paper); acceptance_rate[k-1] the fraction of rounds whose block index k was accepted;
     acceptance_length_counts[n-1] the rounds that produced n tokens. Greedy, `plain` also checks
     that both decodings gave identical outputs.
     """
-    lengths = [n for run in runs for n in run.acceptance_lengths]
+    rounds = [n for run in runs for n in run.acceptance_lengths]
     drafted = [sum(column) for column in zip(*(run.drafted for run in runs), strict=True)]
     accepted = [sum(column) for column in zip(*(run.accepted for run in runs), strict=True)]
     new_tokens = sum(len(run.new_tokens) for run in runs)
     seconds = sum(run.seconds for run in runs)
     result: dict[str, Any] = {
-        "tau": statistics.fmean(lengths) if lengths else 0.0,
+        **pooled_rates(runs),
         "acceptance_rate": [a / d if d else 0.0 for a, d in zip(accepted, drafted, strict=True)],
-        "acceptance_length_counts": [lengths.count(n) for n in range(1, block_size + 1)],
-        "tokens_per_target_forward": new_tokens / sum(run.target_forwards for run in runs),
+        "acceptance_length_counts": [rounds.count(n) for n in range(1, block_size + 1)],
         "tokens_per_s": new_tokens / seconds,
         "num_prompts": len(prompts),
         "new_tokens": new_tokens,
@@ -209,6 +224,8 @@ def acceptance_summary(
             result["matches_autoregressive"] = all(
                 s.new_tokens == a.new_tokens for s, a in zip(runs, plain, strict=True)
             )
+    if lengths is not None:
+        result.update(lengths.summarize([len(p.input_ids) for p in prompts], runs, pooled_rates))
     if per_prompt:
         result["prompts"] = [
             {
@@ -316,4 +333,4 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"  same output as greedy          {result['matches_autoregressive']}")
     lines.append("  block index   acceptance rate")
     lines += [f"  {k:>11}   {rate:.3f}" for k, rate in enumerate(result["acceptance_rate"], start=1)]
-    return "\n".join(lines)
+    return "\n".join(lines + format_buckets(result))

@@ -30,6 +30,12 @@ from dflash_mp.evaluation.acceptance import (
     stop_token_ids,
 )
 from dflash_mp.evaluation.decoding import autoregressive_generate, speculative_generate
+from dflash_mp.evaluation.length_buckets import (
+    BUCKET_HEADER,
+    LengthBuckets,
+    bucket_columns,
+    training_length_note,
+)
 from dflash_mp.evaluation.prompts import EvalError, Prompt
 
 if TYPE_CHECKING:  # annotations only: the preflight imports this without the models
@@ -136,9 +142,11 @@ def decode_benchmark(
     seed: int = 0,
     baseline: bool = True,
     per_prompt: bool = False,
+    lengths: LengthBuckets | None = None,
 ) -> dict[str, Any]:
     """Speculative (and, with `baseline`, autoregressive) decoding of every user turn; a later turn
-    follows the speculative answer to the turn before. `acceptance_summary` of all turns."""
+    follows the speculative answer to the turn before. `acceptance_summary` of all turns (with
+    `lengths`, bucketed by each turn's prompt length)."""
     tokenizer = renderer.tokenizer
     stops = stop_token_ids(tokenizer, target)
     device = target.get_input_embeddings().weight.device
@@ -197,6 +205,7 @@ def decode_benchmark(
         max_new_tokens,
         sampling.temperature,
         per_prompt,
+        lengths,
     )
 
 
@@ -210,6 +219,7 @@ class TablePlan:
     renderer: Any
     max_new_tokens: int
     limit: int | None
+    lengths: LengthBuckets | None = None  # tau by prompt length in every row
 
 
 def plan_table(
@@ -223,6 +233,7 @@ def plan_table(
     thinking: str = "both",
     top_k: int | None = None,
     top_p: float | None = None,
+    lengths: LengthBuckets | None = None,
 ) -> TablePlan:
     """Every benchmark's records, the sampling settings and the thinking modes; EvalError or
     BenchmarkError when a first-turn prompt does not fit the target's context (config.json)."""
@@ -238,7 +249,7 @@ def plan_table(
             firsts = [_first_turn(_with_thinking(renderer, mode), c) for c in conversations]
             check_prompt_lengths(firsts, max_new_tokens, context)
         loaded.append((benchmark, conversations))
-    return TablePlan(loaded, settings, modes, renderer, max_new_tokens, limit)
+    return TablePlan(loaded, settings, modes, renderer, max_new_tokens, limit, lengths)
 
 
 def run_table(plan: TablePlan, drafter: DFlashDrafter, target: nn.Module, seed: int = 0) -> dict[str, Any]:
@@ -256,6 +267,7 @@ def run_table(plan: TablePlan, drafter: DFlashDrafter, target: nn.Module, seed: 
                     plan.max_new_tokens,
                     sampling,
                     seed,
+                    lengths=plan.lengths,
                 )
                 rows.append(
                     {
@@ -308,7 +320,20 @@ def format_benchmark_table(table: dict[str, Any]) -> str:
     differed = [r["benchmark"] for r in table["rows"] if r.get("matches_autoregressive") is False]
     if differed:  # exact in fp32; in bf16 a near-tie can flip the argmax of one of the two forwards
         lines.append(f"note: at temperature 0 speculative and plain decoding gave other tokens on {differed}")
-    return "\n".join(lines)
+    return "\n".join(lines + _length_lines(table["rows"]))
+
+
+def _length_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """tau by prompt length: one line per row and non-empty bucket (each turn counts by its own
+    prompt, earlier turns and answers included)."""
+    if not rows or "length_buckets" not in rows[0]:
+        return []
+    lines = ["", f"tau by prompt length ({training_length_note(rows[0])})"]
+    lines.append(f"  {'benchmark':<16}{'temp':>5}  {'think':<7}{BUCKET_HEADER}")
+    for row in rows:
+        key = f"  {row['benchmark']:<16}{row['temperature']:>5g}  {_thinking_label(row['thinking']):<7}"
+        lines += [key + bucket_columns(bucket) for bucket in row["length_buckets"]]
+    return lines
 
 
 class TrainingBenchmarks:
