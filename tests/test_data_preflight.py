@@ -125,3 +125,28 @@ def test_doctor_refuses_an_eval_that_cannot_fit_the_targets_context(tmp_path: Pa
     assert "eval.jsonl:" in failed["eval"] and "set eval.max_new_tokens<=" in failed["eval"]
     fits = doctor.preflight(compose_config([*base, "eval.max_new_tokens=64"]), tmp_path / "run")
     assert not doctor.failed(fits) and any(c.name == "eval" for c in fits)
+
+
+def test_packing_reads_every_record_so_bad_ones_between_samples_are_caught(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """With data.packing the preflight builds the packing index, a pass over every record: 10% bad
+    records that all sit between the sample's stride still fail it, naming the fraction."""
+    lines = [GOOD] * 2000
+    for i in range(1, 2000, 10):  # the sample reads records 0, 2, 4, ...: never these
+        lines[i] = "{"
+    path = write(tmp_path / "d.jsonl", lines)
+    base = [f"data.train_files=[{path}]", "train.device=cpu"]
+    unpacked = {c.name: c for c in doctor.preflight(compose_config(base), tmp_path / "run")}
+    assert unpacked["data"].ok  # the sample alone is fooled
+    checks = doctor.preflight(compose_config([*base, "data.packing=true"]), tmp_path / "run")
+    failed = {c.name: c.message for c in doctor.failed(checks)}
+    assert set(failed) == {"data"}, failed
+    assert "200 of the 2000 records are bad (10.0%)" in failed["data"]
+    good = write(tmp_path / "good.jsonl", [GOOD] * 30)
+    checks = doctor.preflight(
+        compose_config([f"data.train_files=[{good}]", "train.device=cpu", "data.packing=true"]),
+        tmp_path / "run",
+    )
+    data = next(c for c in checks if c.name == "data")
+    assert data.ok and "packing: all 30 records read, 30 usable, 0 bad" in data.message

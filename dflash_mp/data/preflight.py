@@ -159,4 +159,25 @@ def check_data_sample(cfg: Any) -> tuple[bool, str]:
         return False, f"cannot read the data through the target's tokenizer: {type(e).__name__}: {e}"
     problem = judge(report, d.max_bad_fraction, d.on_bad_record)
     lines = ([] if problem is None else [problem]) + report.summary().splitlines()
+    if d.packing and problem is None:
+        try:
+            lines.append(packing_summary(index, renderer, cfg))
+        except DataError as e:
+            problem = str(e)
+            lines.insert(0, problem)
     return problem is None, f"\n{INDENT}".join(lines)
+
+
+def packing_summary(index: Records, renderer: ChatRenderer, cfg: Any) -> str:
+    """data.packing: every record read once (the job's cached packing index) and epoch 0's rows."""
+    import logging
+
+    from dflash_mp.data import packing
+
+    lengths = packing.job_lengths(index, renderer, cfg.data, logging.getLogger(__name__))
+    rows = packing.pack_epoch(lengths.lengths, cfg.train.seed, 0, cfg.data.max_length)
+    fill = sum(lengths.lengths) / max(1, len(rows) * cfg.data.max_length)
+    return (
+        f"packing: all {len(index)} records read, {lengths.usable} usable, {lengths.count(packing.BAD)} bad; "
+        f"{len(rows)} rows of {cfg.data.max_length} tokens per epoch, {fill:.0%} full"
+    )
