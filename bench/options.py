@@ -102,7 +102,29 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         help="A/B: a DFlash drafter computes the repeated and unscored block rows too "
         "(dflash_mp/models/block_rows.py), as before 2026-12-02",
     )
+    p.add_argument(
+        "--data",
+        choices=("fixed", "chat", "chat-packed"),
+        default="fixed",
+        help="micro-batches of fixed full rows (default), of chat-shaped records one per row, or of "
+        "chat-shaped records packed into rows (data.packing); benchlib/chat_data.py has the lengths",
+    )
     p.add_argument("--block-size", type=int, help="draft block size (default: the shape's, 16 on GPU shapes)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per row (default: the shape's, 3072 at qwen3-8b); the anchors scale with it",
+    )
+    p.add_argument(
+        "--num-anchors",
+        type=int,
+        help="anchors per row (default: the shape's, times --seq-len / the shape's row: 512 per 3072 tokens)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each draft layer's forward in its backward (train.activation_checkpointing=true)",
+    )
     p.add_argument(
         "--override", action="append", default=[], help="Hydra override for the config (repeatable)"
     )
@@ -126,6 +148,11 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         "profile_steps",
     ):
         setattr(args, key, max(1, getattr(args, key)))
+    for flag, value in (("--seq-len", args.seq_len), ("--num-anchors", args.num_anchors)):
+        if value is not None and value < 1:
+            p.error(f"{flag} {value}: must be at least 1")
+    if args.activation_checkpointing:
+        args.override.append("train.activation_checkpointing=true")
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(args.sections) - set(NAMES))
     if unknown:

@@ -85,6 +85,11 @@ class Bench(BenchState):
                 "hidden_dtype": str(self.dtype).replace("torch.", ""),
                 "attention": self.attention,
                 "compile": self.compiled,
+                "activation_checkpointing": self.cfg.train.activation_checkpointing,
+                # dflash_mp.plan.memory's peaks for this shape and layout, beside the measured ones.
+                "memory_prediction": bl.predicted_memory(
+                    self.shape, self.cfg, max(1, self.layout.drafters), self.world
+                ),
                 "torch": torch.__version__,
                 "cuda": torch.version.cuda,
                 "nccl": _nccl_version() if cuda else None,

@@ -69,6 +69,33 @@ def projection_of_8(target_rate: float, drafter_rate: float, target_parallel: in
     }
 
 
+def peak_memory_gib(merged: dict) -> dict:
+    """Each timed section's peak GiB (allocated, reserved; the GPU ranks that ran it: the role's
+    rank, colocated's highest) beside dflash_mp.plan.memory's prediction for that rank."""
+    s, setup = merged["sections"], merged["setup"]
+    predicted = setup.get("memory_prediction") or {}
+    single = setup.get("world_size") == 1
+    # One rank holds both roles' objects in every section: only colocated is one GPU's pair.
+    ranks = {
+        "target_only": (rank_of(setup, "target"), None if single else "target_rank"),
+        "drafter_only": (rank_of(setup, "drafter"), "colocated" if single else "drafter_rank"),
+        "colocated": ("*", "colocated"),  # every rank ran it: the highest
+    }
+    result = {}
+    for section, (rank, model) in ranks.items():
+        per_rank = _get(s, section, "per_rank") or {}
+        reports = [(e or {}).get("memory") or {} for r, e in per_rank.items() if rank in ("*", r)]
+        peaks = [r for r in reports if r.get("peak_allocated_gib") is not None]
+        top = max(peaks, key=lambda r: r["peak_allocated_gib"]) if peaks else {}
+        result[section] = {
+            "allocated": top.get("peak_allocated_gib"),
+            "reserved": top.get("peak_reserved_gib"),
+            "predicted": _get(predicted, model, "peak_gib") if model else None,
+            "device_total": top.get("device_total_gib"),
+        }
+    return result
+
+
 def summarize(merged: dict) -> dict:
     """Headline numbers (a pure function of the sections; None where a section did not run)."""
     s = merged["sections"]
@@ -98,7 +125,10 @@ def summarize(merged: dict) -> dict:
     colocated_per_gpu = colocated_rate / world if colocated_rate is not None else None
     if colocated_rate is not None:
         s["colocated"]["samples_per_s_total"] = colocated_rate
-        s["colocated"]["tokens_per_s_total"] = colocated_rate * merged["shape"]["seq_len"]
+        # Real tokens: chat-shaped rows (--data chat*) hold fewer than seq_len.
+        s["colocated"]["tokens_per_s_total"] = sum(
+            v.get("tokens_per_s", 0.0) for v in s["colocated"]["per_rank"].values()
+        )
         s["colocated"]["samples_per_s_per_gpu"] = colocated_per_gpu
     # The layout's stage capacities: every replica's rate and every drafter rank's, summed.
     targets_total = _stage_total(s.get("target_only"), "per_replica", target_rate, replicas)
@@ -220,6 +250,8 @@ def summarize(merged: dict) -> dict:
             target_rate / k if target_rate else None, drafter_rate, colocated_per_gpu, projection
         ),
         "peak_memory_gb": memory,
+        # GiB, as the GPU's size and the preflight's prediction are given.
+        "peak_memory_gib": peak_memory_gib(merged),
         # Every rank's highest peak over the layout's own sections (LAYOUT_SECTIONS).
         "peak_memory_gb_per_gpu": gpu_peaks,
         "peak_memory_kind": "torch.cuda.max_memory_allocated"

@@ -141,6 +141,15 @@ def print_table(merged: dict) -> None:
             " | ".join(_fmt(sm["peak_memory_gb"][k], ".1f") for k in memory_keys),
         ),
         (
+            "peak GiB",
+            "alloc/resv (predicted): target | drafter | coloc",
+            " | ".join(
+                f"{_fmt(v['allocated'], '.1f')}/{_fmt(v['reserved'], '.1f')} ({_fmt(v['predicted'], '.1f')})"
+                for v in (sm.get("peak_memory_gib") or {}).values()
+            )
+            or "-",
+        ),
+        (
             "peak GB per rank",
             " | ".join(f"r{r}" for r in sm.get("peak_memory_gb_per_gpu") or {}) or "-",
             " | ".join(_fmt(v, ".1f") for v in (sm.get("peak_memory_gb_per_gpu") or {}).values()) or "-",

@@ -90,6 +90,8 @@ def preflight(
                     cuda_graphs=resolve_cuda_graphs(cfg, torch.device("cuda"), tensor_parallel=False),
                 )
             )
+        if all(c.ok for c in checks if c.name in ("imports", "config", "target")):
+            checks += memory_checks(cfg, nnodes * per_node if per_node else None)
         checks.append(check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite))
         if checks[-1].ok and cfg.train.resume:
             checks.append(check_resume(cfg, run_dir, nnodes * per_node if per_node else None))
@@ -118,6 +120,25 @@ def reading_checks(cfg: RootConfig) -> list[Check]:
             Check("eval", problem is None, problem or "the held-out prompts fit the target's context")
         )
     return checks
+
+
+def memory_checks(cfg: RootConfig, world_size: int | None = None) -> list[Check]:
+    """The predicted peak memory per GPU against the GPU's (dflash_mp.plan.memory_check): a config
+    that cannot fit fails, naming the fixes; none when the GPU's memory is unknown (a CPU job, no
+    GPU here and no DFLASH_MP_GPU_MEMORY_GIB). Under plain torchrun rank 0 runs it too."""
+    from dflash_mp.plan.memory_check import gpu_memory_gib, memory_verdict
+
+    try:
+        total = gpu_memory_gib(cfg)
+    except ValueError as e:  # DFLASH_MP_GPU_MEMORY_GIB that is not a positive number
+        return [Check("memory", False, str(e))]
+    if total is None:
+        return []
+    try:
+        verdict = memory_verdict(cfg, total=total, world_size=world_size)
+    except Exception as e:  # a config.json the shapes cannot read: loading the target says more
+        return [Check("memory", True, f"warning: no prediction ({type(e).__name__}: {e})")]
+    return [] if verdict is None else [Check("memory", *verdict)]
 
 
 def failed(checks: list[Check]) -> list[Check]:

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from dflash_mp.config.schema import CONF_DIR, ConfigError, RootConfig, to_dataclass
 from dflash_mp.config.validation import validate
-from dflash_mp.doctor import failed, reading_checks
+from dflash_mp.doctor import failed, memory_checks, reading_checks
 from dflash_mp.run import startup
 from dflash_mp.run.logs import append_job_log, get_logger
 from dflash_mp.run.processes import JOB_ID_ENV
@@ -128,9 +128,9 @@ def _exit_early(code: int) -> NoReturn:
 def _preflight_under_plain_torchrun(cfg: RootConfig, run_dir: Path, job: Job) -> None:
     """Under plain torchrun (no launcher holds the run directory or ran the preflight), rank 0 takes
     the run directory's lock for the life of its process, refuses a fresh start over an earlier run
-    (or clears it with train.overwrite=true), refuses a resume its checkpoints rule out and reads the
-    data sample and the held-out prompts as the launcher's preflight does; every rank exits with
-    the reason, before any heavy work."""
+    (or clears it with train.overwrite=true), refuses a resume its checkpoints rule out, a config
+    whose predicted peak memory exceeds the GPU's, and reads the data sample and the held-out prompts
+    as the launcher's preflight does; every rank exits with the reason, before any heavy work."""
     from dflash_mp.runtime.distributed import broadcast_text
     from dflash_mp.runtime.resume import resume_problem
 
@@ -144,8 +144,7 @@ def _preflight_under_plain_torchrun(cfg: RootConfig, run_dir: Path, job: Job) ->
             if not problem and cfg.train.resume:
                 problem = resume_problem(cfg, run_dir, job.topology.world_size) or ""
             if not problem:
-                bad = failed(reading_checks(cfg))
-                problem = "; ".join(f"{c.name}: {c.message}" for c in bad)
+                problem = _checks_problem(cfg, run_dir)
             if not problem and cfg.train.overwrite:
                 removed = clear_run_dir(run_dir)
                 append_job_log(
@@ -159,6 +158,17 @@ def _preflight_under_plain_torchrun(cfg: RootConfig, run_dir: Path, job: Job) ->
     if problem:
         print(f"dflash_mp: rank {job.rank}: refused: {problem}", file=sys.stderr, flush=True)
         _exit_early(EXIT_CONFIG_ERROR)
+
+
+def _checks_problem(cfg: RootConfig, run_dir: Path) -> str:
+    """The launcher's memory and data checks (dflash_mp.doctor) as one line, empty when they pass;
+    the memory line goes to job.log."""
+    memory = memory_checks(cfg)  # the predicted peak per GPU, before any rank loads the target
+    bad = failed(memory) or failed(reading_checks(cfg))
+    if not bad:
+        for check in memory:
+            append_job_log(run_dir, f"preflight memory: {check.message}")
+    return "; ".join(f"{c.name}: {c.message}" for c in bad)
 
 
 _composed = False  # Hydra composed the command line and called main()

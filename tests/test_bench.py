@@ -151,12 +151,31 @@ def test_a_failing_rank_neither_hangs_the_benchmark_nor_loses_earlier_sections(t
 @pytest.mark.slow
 def test_single_rank_runs_both_roles_and_the_colocated_pair(tmp_path: Path) -> None:
     # One GPU (here: one CPU process) plays target and drafter in turn, then both back to back
-    # (colocated, no DDP); no pipeline, no transport.
-    proc, result = run_bench(tmp_path, "--iters", "3", "--warmup", "1", nproc=1, timeout=90)
+    # (colocated, no DDP); no pipeline, no transport. Rows of 192 tokens instead of the shape's 128,
+    # with checkpointed draft layers.
+    proc, result = run_bench(
+        tmp_path,
+        *("--iters", "3", "--warmup", "1", "--seq-len", "192", "--activation-checkpointing"),
+        nproc=1,
+        timeout=90,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     assert result is not None and result["schema"] == "dflash_mp.bench/1"
     setup = result["setup"]
     assert setup["world_size"] == 1 and setup["roles"] == {"0": "target+drafter"}
+    # The anchors scale with the row (16 per 128 tokens at the tiny shape), and the config follows.
+    shape = result["shape"]
+    assert (shape["seq_len"], shape["num_anchors"], shape["query_tokens_per_seq"]) == (192, 24, 24 * 8)
+    assert setup["activation_checkpointing"] is True
+    assert result["sections"]["setup"]["drafter"]["tokens"]["context_tokens"] == 192
+    predicted = setup["memory_prediction"]
+    assert all(
+        _positive(predicted[rank]["peak_gib"]) for rank in ("colocated", "target_rank", "drafter_rank")
+    )
+    assert (
+        result["summary"]["peak_memory_gib"]["colocated"]["predicted"] == predicted["colocated"]["peak_gib"]
+    )
+    assert "peak GiB" in proc.stdout and "S=192, 24 anchors" in proc.stdout
     sections = result["sections"]
     ran = ("matmul_peak", "setup", "drafter_only", "target_only", "colocated")
     assert {name: sections[name]["status"] for name in ran} == dict.fromkeys(ran, "ok")
@@ -346,3 +365,16 @@ def test_the_benchmarks_device_initialised_drafter_starts_as_training_does() -> 
             norm.weight.fill_(3.0)
     drafter.init_weights(torch.Generator())
     assert all(torch.equal(norm.weight, torch.ones_like(norm.weight)) for norm in norms)
+
+
+def test_chat_shaped_packed_rows_report_their_real_token_rate(tmp_path: Path) -> None:
+    """--data chat-packed: rows of whole chat-shaped records (data.packing), trained colocated; the
+    token rate counts real tokens, which padding to the compile multiple leaves below B x S."""
+    proc, result = run_bench(tmp_path, "--sections", "setup,colocated", "--data", "chat-packed", nproc=1)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    colocated = result["sections"]["colocated"]
+    rank = colocated["per_rank"]["0"]
+    assert rank["data"] == "chat-packed" and rank["skipped_nonfinite_steps"] == 0
+    row = result["shape"]["seq_len"]
+    assert 0.8 * rank["samples_per_s"] * row < rank["tokens_per_s"] <= rank["samples_per_s"] * row
+    assert colocated["tokens_per_s_total"] == rank["tokens_per_s"]

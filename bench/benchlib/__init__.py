@@ -20,7 +20,7 @@ _NAMES = {
     "flops": "DRAFTER_FLOPS_COUNTING TARGET_FLOPS_COUNTING drafter_flops_per_micro_batch target_flops_per_seq",
     "jsonio": "deep_merge gather_json read_json write_json",
     "power": "PowerMeter",
-    "shapes": "SHAPES Shape bench_config",
+    "shapes": "SHAPES Shape bench_config predicted_memory",
     "synthetic": "DeviceInitDrafter SyntheticReader batch_to count_params random_drafter "
     "random_embed_and_head random_target received_form seeded",
     "timing": "GB GIB Marks count_nonfinite distribution matmul_peak memory_report memory_reset sync",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported where used: bench.py reads SHAPES' names before torch is imported
@@ -75,6 +75,15 @@ class Shape:
         layers_run = max(self.layer_ids) + 1
         return itemsize * (self.vocab * h + h + layers_run * per_layer // tensor_parallel)
 
+    def with_row(self, seq_len: int | None, num_anchors: int | None = None) -> Shape:
+        """This shape with rows of `seq_len` tokens; the anchors scale with the row (512 per 3072
+        tokens at qwen3-8b) unless `num_anchors` is given."""
+        if seq_len is None:
+            return self if num_anchors is None else replace(self, num_anchors=num_anchors)
+        if num_anchors is None:
+            num_anchors = max(1, round(self.num_anchors * seq_len / self.seq_len))
+        return replace(self, seq_len=seq_len, num_anchors=num_anchors)
+
     def describe(self) -> dict:
         d = dict(self.__dict__)
         d["target_layer_ids"] = self.layer_ids
@@ -130,3 +139,47 @@ def bench_config(
         *extra,
     ]
     return to_dataclass(compose_config(overrides))
+
+
+def predicted_memory(shape: Shape, cfg: RootConfig, drafters: int, world: int) -> dict:
+    """dflash_mp.plan.memory's peaks for this run, to set beside the measured ones: a colocated rank
+    (DDP over `world`), a target rank and a drafter rank (DDP over `drafters`). The benchmark's
+    target replays no CUDA graphs."""
+    from dflash_mp.plan.costs import ModelShape
+    from dflash_mp.plan.memory import TrainingShape, colocated_rank, drafter_rank, target_rank
+
+    target = ModelShape(
+        shape.hidden,
+        shape.layers,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+        shape.intermediate,
+        shape.vocab,
+    )
+    m, t, tr = cfg.model, cfg.topology, cfg.train
+    common = TrainingShape(
+        target=target,
+        target_layers_kept=max(shape.layer_ids) + 1,
+        feature_layers=len(shape.layer_ids),
+        draft_layers=shape.draft_layers,
+        block_size=shape.block_size,
+        seq_len=shape.seq_len,
+        num_anchors=shape.num_anchors,
+        micro_batch=tr.micro_batch_size,
+        grad_accum=tr.grad_accum,
+        drafters=drafters,
+        activation_checkpointing=tr.activation_checkpointing,
+        arch=m.arch,
+        conv_kernel_size=m.conv_kernel_size,
+        conv_group_size=m.conv_group_size,
+        selector_rank=m.selector_rank,
+        target_parallel=t.target_parallel,
+        max_inflight_sends=t.max_inflight_sends,
+        cuda_graphs=False,
+    )
+    return {
+        "colocated": colocated_rank(replace(common, drafters=world, target_parallel=1)).as_dict(),
+        "target_rank": target_rank(common).as_dict(),
+        "drafter_rank": drafter_rank(common).as_dict(),
+    }

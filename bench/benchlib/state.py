@@ -37,6 +37,7 @@ class BenchState:
         self.shape = SHAPES[args.shape]
         if args.block_size:
             self.shape = dataclasses.replace(self.shape, block_size=args.block_size)
+        self.shape = self.shape.with_row(args.seq_len, args.num_anchors)
         self.layout = layout
         # One rank for both roles keeps the 1 + 1 topology (its trainer runs without DDP).
         self.topology = Topology(
@@ -75,7 +76,7 @@ class BenchState:
         self.B, self.A, self.S = args.micro_batch, args.grad_accum, self.shape.seq_len
         self.feature_size = self.shape.hidden * len(self.shape.layer_ids)
         self.first_drafter = layout.first_drafter
-        self.reader = SyntheticReader(self.shape, self.B, seed=args.seed)
+        self.reader = self._reader(args)
         # This rank's record of every section run so far (later sections read earlier results).
         self.partial: dict = {"rank": self.rank, "sections": {}, "failed": None}
         # Objects that live from one section to the next.
@@ -84,6 +85,15 @@ class BenchState:
         self.features = None
         self.peak_flops: float | None = None
         self.sustained_flops: float | None = None  # matmuls' rate at the power limit (matmul_peak)
+
+    def _reader(self, args):
+        if args.data == "fixed":
+            return SyntheticReader(self.shape, self.B, seed=args.seed)
+        from benchlib.chat_data import ChatShapedReader
+
+        pad_to = self.cfg.data.pad_to_multiple
+        packed = args.data == "chat-packed"
+        return ChatShapedReader(self.shape.vocab, self.shape.seq_len, self.B, packed, pad_to, seed=args.seed)
 
     def _check_target_fits(self) -> None:
         """A target shard larger than a GPU fails here, naming the fix, before any model is built."""

@@ -46,9 +46,11 @@ class SyntheticReader:
         self.loss_mask[:, shape.seq_len // 2 :] = 1
         self.lengths = torch.full((micro_batch,), shape.seq_len, dtype=torch.long)
         self.bad_records = self.too_long_records = 0  # the counters run_target reads
+        self.tokens_read = 0  # real tokens of the micro-batches read (all of them: rows are full)
 
     def read(self, m: int) -> MicroBatch:
         b = self.micro_batch
+        self.tokens_read += b * self.shape.seq_len
         return MicroBatch(
             index=m,
             epoch=0,

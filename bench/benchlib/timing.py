@@ -152,18 +152,25 @@ def _clock_and_power(device: torch.device) -> dict:
 
 
 def memory_reset(device: torch.device) -> None:
+    """Start a section's peak: the runner calls it before every section."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
 
 def memory_report(device: torch.device) -> dict:
+    """The section's peaks since `memory_reset`: torch's allocations and what its allocator reserved
+    (GB and, to compare with dflash_mp.plan.memory's prediction and the GPU's size, GiB)."""
     import resource
 
     report = {"host_peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB}
     if device.type == "cuda":
+        allocated, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
         report.update(
-            peak_allocated_gb=torch.cuda.max_memory_allocated(device) / GB,
-            peak_reserved_gb=torch.cuda.max_memory_reserved(device) / GB,
+            peak_allocated_gb=allocated / GB,
+            peak_reserved_gb=reserved / GB,
             allocated_now_gb=torch.cuda.memory_allocated(device) / GB,
+            peak_allocated_gib=allocated / GIB,
+            peak_reserved_gib=reserved / GIB,
+            device_total_gib=torch.cuda.get_device_properties(device).total_memory / GIB,
         )
     return report

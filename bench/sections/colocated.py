@@ -23,6 +23,11 @@ from dflash_mp.training.features import features_of
 TIMEOUT_S = 420
 
 
+def early_tokens(early: list) -> int:
+    """Real tokens of the micro-batch prepared ahead (read, not yet trained on)."""
+    return sum(int(prepared.batch.lengths.sum()) for prepared in early)
+
+
 def run(bench: BenchState) -> dict:
     args = bench.args
     if "drafter" in bench.roles:  # the drafter-only objects make room for this process's colocated pair
@@ -59,6 +64,8 @@ def run(bench: BenchState) -> dict:
             bl.sync(bench.device)
             watch.start()
             t0 = prev = time.perf_counter()
+            # What the reader has read by now: warm-up steps, and the step prepared early.
+            tokens_before = bench.reader.tokens_read - early_tokens(early)
         for micro in range(bench.A):
             batch = early.pop() if early else micro_batch(i, micro)
             trainer.micro_step(batch, last_of_step=micro == bench.A - 1)
@@ -75,12 +82,16 @@ def run(bench: BenchState) -> dict:
         prev = now
     bl.sync(bench.device)
     seconds = time.perf_counter() - t0
+    tokens = bench.reader.tokens_read - early_tokens(early) - tokens_before
     nonfinite = bl.count_nonfinite("colocated", records)
     del trainer
     return {
         "per_rank": {
             str(bench.rank): {
                 "samples_per_s": args.colocated_iters * bench.A * bench.B / seconds,
+                # Real (unpadded) tokens: rows of chat data (--data chat*) hold fewer than S.
+                "tokens_per_s": tokens / seconds,
+                "data": args.data,
                 "ms_per_step": seconds / args.colocated_iters * 1e3,
                 "step_time": bl.distribution(step_s),
                 "build_s": build_s,

@@ -267,6 +267,10 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
             f"with train.dtype={tr.dtype}: use train.attention=flex (GPU) or sdpa (CPU)"
         )
     _choice(problems, "train.compile", str(tr.compile).lower(), ("auto", "true", "false"))
+    if not isinstance(tr.activation_checkpointing, bool):
+        problems.append(
+            f"train.activation_checkpointing={tr.activation_checkpointing!r}: must be true or false"
+        )
     _choice(problems, "train.cuda_graphs", str(tr.cuda_graphs).lower(), ("auto", "true", "false"))
     if str(tr.cuda_graphs).lower() == "true" and tr.device == "cpu":
         problems.append("train.cuda_graphs=true needs a GPU, not train.device=cpu: use auto or false")

@@ -94,9 +94,9 @@ def _checked_launch(
     bad = doctor.failed(checks)
     if bad:
         return preflight_failure(run_dir, [f"{c.name}: {c.message}" for c in bad], started)
-    for warning in (c for c in checks if c.message.startswith("warning:")):
-        print(f"dflash_mp: {warning.name}: {warning.message}", file=sys.stderr, flush=True)
-        append_job_log(run_dir, f"preflight {warning.name}: {warning.message}")
+    for shown in (c for c in checks if c.message.startswith("warning:") or c.name == "memory"):
+        print(f"dflash_mp: {shown.name}: {shown.message}", file=sys.stderr, flush=True)
+        append_job_log(run_dir, f"preflight {shown.name}: {shown.message}")
     append_job_log(run_dir, f"preflight: {len(checks)} checks passed")
     if dict_cfg.train.get("overwrite", False):
         removed = clear_run_dir(run_dir)

@@ -41,7 +41,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dflash_mp.plan",
         description="Candidate layouts of N GPUs (colocated, T:D splits, tensor-parallel target replicas) "
-        "with expected samples/s and memory per GPU, from the benchmark's measured stage rates.",
+        "with expected samples/s and memory per GPU, from the benchmark's measured stage rates. "
+        "`python -m dflash_mp.plan memory --help`: a training config's peak memory per rank, term by term.",
     )
     p.add_argument("--gpus", type=int, required=True, help="GPUs the job gets (world size)")
     p.add_argument("--bench", help="bench/bench.py result JSON: stage rates, peak memories, device, shape")
@@ -309,6 +310,11 @@ def plan_dict(plan: Plan) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["memory"]:  # `python -m dflash_mp.plan memory ...`: the peak memory per rank
+        from dflash_mp.plan.memory_cli import main as memory_main
+
+        return memory_main(argv[1:])
     args = parser().parse_args(argv)
     try:
         plan = make_plan(args)

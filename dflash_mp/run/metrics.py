@@ -122,7 +122,7 @@ class MetricsLogger:
         loss = "-" if record["loss"] is None else f"{record['loss']:.4f}"  # None: a skipped step
         line = (
             f"[{bar}] step {record['step']}/{self.total_steps} loss {loss} "
-            f"lr {record['lr']:.2e} {record['samples_per_s']:.1f} samples/s "
+            f"lr {record['lr']:.2e} {record['samples_per_s']:.1f} rows/s {record.get('tokens_per_s', 0):.0f} tokens/s "
             f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}"
         )
         if sys.stderr.isatty():
