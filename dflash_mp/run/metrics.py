@@ -125,6 +125,8 @@ class MetricsLogger:
             f"lr {record['lr']:.2e} {record['samples_per_s']:.1f} rows/s {record.get('tokens_per_s', 0):.0f} tokens/s "
             f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}"
         )
+        if "peak_memory_gib" in record:
+            line += f" peak {record['peak_memory_gib']:.1f} GiB"
         if sys.stderr.isatty():
             print(
                 "\r" + line,

@@ -292,6 +292,8 @@ class DrafterTrainer:
             "skip_reason": skip_reason,
             "step_time_s": elapsed,
         }
+        if self.device.type == "cuda":  # this rank's high-water mark: long rows live or die by it
+            record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self.drafter.arch == "dflash2":
             record.update(selector_metrics(host.selector, host.count, host.scored))
         record.update(extra or {})
