@@ -15,8 +15,15 @@ Same module, same parameters (the four input projections stay four GEMMs: fusing
 one weight tensor the parameters are views of, which loading and tensor parallelism do not keep).
 The switch is per module instance (`use_fast_forward` binds the forward on it), so another model
 of the same class in the process keeps transformers' path. Only for what the target runs: the whole
-sequence at once, no cache, no padding mask, one sequence per row; any other call goes to
-transformers' own forward. No host reads: the forward stays CUDA-graph capturable.
+sequence at once, no cache, no padding mask; any other call goes to transformers' own forward.
+No host reads: the forward stays CUDA-graph capturable.
+
+Packed rows (several documents per row, `target_graphs.packed_rows()`): the convolution drops the
+taps that reach before a token's document, and each document's first token gets the log-decay
+`DOCUMENT_RESET` (its exp is 0 in fp32), which empties the recurrent state there in any exact form
+of the recurrence (fla's chunked kernels, transformers' torch one). Static shapes and no host read,
+so a packed forward is captured like any other; the decays inside a document are the document's
+own up to the fp32 rounding of the chunk-local cumulative sums that now carry the reset.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash_mp.models import target_graphs
 
 # Core = (q, k [B,S,H,Dk] L2-normalised, v [B,S,HV,Dv], g [B,S,HV] fp32, beta [B,S,HV]) -> [B,S,HV,Dv]
 Core = Callable[..., torch.Tensor]
@@ -45,21 +54,36 @@ _PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm"
 # seq_idx of packed rows, say) sends the call to transformers' forward.
 _INERT_KWARGS = {"use_cache", "output_attentions", "output_hidden_states", "return_dict", "position_ids"}
 L2NORM_EPS = 1e-6  # transformers' l2norm and fla's l2norm_fwd alike
+# exp(-128 - x) underflows to 0 in fp32 for any x >= 0 (every log-decay is <= 0); a larger reset
+# would only round the cumulative sums that carry it more coarsely.
+DOCUMENT_RESET = -128.0
 
 
 def causal_conv_along_sequence(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Depthwise causal convolution of x [B, S, C] by weight [C, K] along S, in fp32:
     out[:, t] = sum_j weight[:, j] * x[:, t - K + 1 + j] (+ bias), as K shifted multiply-adds
-    (memory-bound; compiled, they and what reads them become one pass over x)."""
+    (memory-bound; compiled, they and what reads them become one pass over x). `positions` [B, S]
+    (packed rows): a tap reaching before the token's document reads zero, as one before t=0 does."""
     k, s = weight.shape[-1], x.shape[1]
     padded = F.pad(x.float(), (0, 0, k - 1, 0))  # K-1 zero rows before t=0
     w = weight.float()
-    out = padded[:, 0:s] * w[:, 0]
-    for j in range(1, k):
-        out = out + padded[:, j : j + s] * w[:, j]
+    out = None
+    for j in range(k):
+        tap = padded[:, j : j + s] * w[:, j]
+        if positions is not None and j < k - 1:  # tap j reads t - (K-1-j)
+            tap = torch.where((positions >= k - 1 - j)[..., None], tap, 0.0)
+        out = tap if out is None else out + tap
     return out if bias is None else out + bias.float()
+
+
+def reset_at_document_starts(g: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The log-decays g [B, S, H] with DOCUMENT_RESET at each document's first token but a row's
+    first (whose state is empty already: a row of one document keeps its own numbers)."""
+    starts = positions == 0
+    starts[:, 0] = False
+    return g.masked_fill(starts[..., None], DOCUMENT_RESET)
 
 
 def prepare(
@@ -73,9 +97,11 @@ def prepare(
     num_k_heads: int,
     head_k_dim: int,
     head_v_dim: int,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """q, k [B, S, H, Dk] (L2-normalised per head) and v [B, S, HV, Dv], contiguous in the input's
-    dtype, g (fp32) and beta [B, S, HV], from the projections qkv [B, S, C] and a, b [B, S, HV]."""
+    dtype, g (fp32) and beta [B, S, HV], from the projections qkv [B, S, C] and a, b [B, S, HV];
+    `positions` [B, S]: packed rows, each document convolved and decayed on its own."""
     batch, seq, channels = mixed_qkv.shape
     key_dim = num_k_heads * head_k_dim
     sizes = [key_dim, key_dim, channels - 2 * key_dim]
@@ -85,7 +111,7 @@ def prepare(
     def heads(i: int, dim: int, normalize: bool) -> torch.Tensor:
         # Each of q, k, v convolved from its own channels (a shared fp32 result of the whole
         # convolution would be one more buffer) and stored contiguous (fla copies a strided view).
-        x = causal_conv_along_sequence(mixed_qkv.split(sizes, dim=-1)[i], weights[i], biases[i])
+        x = causal_conv_along_sequence(mixed_qkv.split(sizes, dim=-1)[i], weights[i], biases[i], positions)
         x = F.silu(x).to(mixed_qkv.dtype).reshape(batch, seq, -1, dim)
         if normalize:  # the L2 norm fla would run as two more passes: from the rounded values, in fp32
             x32 = x.float()
@@ -95,6 +121,8 @@ def prepare(
     beta = b.sigmoid()
     # transformers' formula: fp32, so that A_log.exp() cannot overflow in half precision
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    if positions is not None:
+        g = reset_at_document_starts(g, positions)
     return heads(0, head_k_dim, True), heads(1, head_k_dim, True), heads(2, head_v_dim, False), g, beta
 
 
@@ -134,9 +162,14 @@ def torch_core(q, k, v, g, beta) -> torch.Tensor:
 
 
 def gated_deltanet_forward(
-    module: nn.Module, hidden_states: torch.Tensor, core: Core, prepare_fn: Callable = prepare
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    core: Core,
+    prepare_fn: Callable = prepare,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`module`'s output for `hidden_states` [B, S, hidden] (whole sequences, no cache or mask)."""
+    """`module`'s output for `hidden_states` [B, S, hidden] (whole sequences, no cache or mask;
+    `positions` [B, S]: packed rows)."""
     batch, seq, _ = hidden_states.shape
     q, k, v, g, beta = prepare_fn(
         module.in_proj_qkv(hidden_states),
@@ -149,6 +182,7 @@ def gated_deltanet_forward(
         module.num_k_heads,
         module.head_k_dim,
         module.head_v_dim,
+        positions,
     )
     z = module.in_proj_z(hidden_states)
     out = core(q, k, v, g, beta)
@@ -164,7 +198,11 @@ def _fast_forward(self, hidden_states, *args, **kwargs):
     if args or any(value is not None for key, value in kwargs.items() if key not in _INERT_KWARGS):
         return type(self).forward(self, hidden_states, *args, **kwargs)
     prepare_fn = _compiled_prepare() if hidden_states.is_cuda else prepare
-    return gated_deltanet_forward(self, hidden_states, self.dflash_core, prepare_fn)
+    rows = target_graphs.packed_rows()
+    positions = None if rows is None else rows.positions
+    if positions is not None and positions.shape != hidden_states.shape[:2]:
+        raise ValueError(f"packed rows {list(positions.shape)} for hidden states {list(hidden_states.shape)}")
+    return gated_deltanet_forward(self, hidden_states, self.dflash_core, prepare_fn, positions)
 
 
 def why_not(module: nn.Module) -> str | None:

@@ -3,7 +3,9 @@
 Target ranks run `TargetFeatureExtractor`; drafter ranks only need the target's embedding and
 LM head matrices, which `load_embedding_and_head` reads straight from the safetensors files so a
 70B target is never instantiated there. Given a DeviceMesh, a target rank holds its share of a
-tensor-parallel replica (dflash_mp.models.tensor_parallel); the features come out whole.
+tensor-parallel replica (dflash_mp.models.tensor_parallel); the features come out whole. Rows
+that pack several documents (`document_ids`) give each document's features as if it ran alone
+(dflash_mp.models.packed_target).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
-from dflash_mp.models import target_graphs, target_kernels
+from dflash_mp.models import packed_target, target_graphs, target_kernels
 
 
 def _tp() -> Any:
@@ -140,6 +142,8 @@ class TargetFeatureExtractor(nn.Module):
         self.decoder = decoder.eval().requires_grad_(False)
         self._captured: dict[int, torch.Tensor] = {}
         self._graphed: target_graphs.GraphedForward | None = None
+        self._packing: packed_target.PackingPlan | None = None
+        self._packed_forward_ran = False
         for layer_id in set(self.layer_ids):
             self.decoder.layers[layer_id].register_forward_hook(self._capture_hook(layer_id))
 
@@ -234,17 +238,64 @@ class TargetFeatureExtractor(nn.Module):
         """Why graphs were turned off after a failed capture; None while they run (or were never on)."""
         return self._graphed.off_because if self._graphed is not None else None
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Concatenated outputs of target layers `layer_ids`: [B, S, K*H] (causal; no attention mask)."""
+    @property
+    def packing(self) -> packed_target.PackingPlan:
+        """How packed rows run on this target (decided at the first packed call, once its kernels are set)."""
+        if self._packing is None:
+            self._packing = packed_target.plan(self.decoder)
+            log.info("target %s: %s", type(self.decoder).__name__, self._packing.describe())
+        return self._packing
+
+    def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenated outputs of target layers `layer_ids`: [B, S, K*H] (causal; no attention mask).
+
+        `document_ids` [B, S] (packed rows, models/packed_rows.py): positions restart at every
+        document and nothing crosses from one to the next; None: each row is one sequence from 0.
+        """
+        if document_ids is None:
+            if self._graphed is not None:
+                return self._graphed(input_ids)
+            return self._forward_eager(input_ids)
+        if document_ids.shape != input_ids.shape:
+            raise ValueError(f"document_ids {list(document_ids.shape)} for input_ids {list(input_ids.shape)}")
+        document_ids = document_ids.to(input_ids.device)
+        if self.packing.in_rows and not self._packed_forward_ran:
+            try:
+                features = self._forward_in_rows(input_ids, document_ids)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a decoder the structural checks did not foresee
+                cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                reason = f"its forward with documents in the rows failed: {cause}"
+                self._packing = packed_target.PackingPlan(False, reason)
+                log.warning("target %s: %s", type(self.decoder).__name__, self._packing.describe())
+            else:
+                self._packed_forward_ran = True
+                return features
+        if self.packing.in_rows:
+            return self._forward_in_rows(input_ids, document_ids)
+        with torch.inference_mode():
+            return packed_target.per_document_forward(self._forward_eager, input_ids, document_ids)
+
+    def _forward_in_rows(self, input_ids: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
         if self._graphed is not None:
-            return self._graphed(input_ids)
-        return self._forward_eager(input_ids)
+            return self._graphed(input_ids, document_ids)
+        return self._forward_eager(input_ids, document_ids)
 
     @torch.inference_mode()
-    def _forward_eager(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _forward_eager(
+        self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         self._captured.clear()
-        with target_graphs.single_sequence_rows():  # each row is one sequence: no packed-mask sync
-            last_hidden_state = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+        if document_ids is None:
+            with target_graphs.single_sequence_rows():  # each row is one sequence: no packed-mask sync
+                last_hidden_state = self.decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+        else:
+            rows = target_graphs.PackedRows.of(document_ids)
+            with packed_target.documents_in_rows(self.decoder, rows, self.packing):
+                last_hidden_state = self.decoder(
+                    input_ids=input_ids, position_ids=rows.positions, use_cache=False
+                ).last_hidden_state
         # HF's hidden_states[-1] carries the final norm, so the reference sees the normed last layer.
         features = [
             last_hidden_state if i == self.num_target_layers - 1 else self._captured[i]

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash_mp.models import linear_attention, moe_experts
+from dflash_mp.models import linear_attention, moe_experts, target_graphs
 
 SINK_ATTENTION = "dflash_sink_flex"
 
@@ -235,7 +235,9 @@ def sink_block_mask(
     """transformers' mask hook for SINK_ATTENTION: its causal or sliding-window mask as a BlockMask.
 
     Built outside the compiled layers, from one mask function per window: transformers makes a new
-    mask function every forward, and a compiled layer handed a new one would compile again.
+    mask function every forward, and a compiled layer handed a new one would compile again. Packed
+    rows (`target_graphs.packed_rows()`, whose masks transformers leaves plain): the window's mask
+    within each document, read from a buffer that keeps its address, so the mask function stays one.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -247,6 +249,12 @@ def sink_block_mask(
     zero = torch.zeros((), dtype=torch.long)
     allowed = int(mask_function(zero, zero, torch.tensor(q_length - 1), torch.arange(kv_length)).sum())
     window = allowed if allowed < kv_length else None
+    rows = target_graphs.packed_rows()
+    if rows is not None:
+        documents = _document_buffer(rows.index)
+        return create_block_mask(
+            _packed_mask_mod(window, documents), batch_size, None, q_length, kv_length, device=device
+        )
     key = (batch_size, q_length, str(device), window)
     if key not in _BLOCK_MASKS:
         if len(_BLOCK_MASKS) >= 8:  # keep the latest few sequence lengths
@@ -258,6 +266,26 @@ def sink_block_mask(
 
 
 _BLOCK_MASKS: dict[tuple, Any] = {}
+_DOCUMENT_BUFFERS: dict[tuple, torch.Tensor] = {}
+
+
+def _document_buffer(index: torch.Tensor) -> torch.Tensor:
+    """`index` copied into the buffer of its shape and device (in place: a CUDA graph replays the
+    copy). One per packed input shape, kept for the process: captured graphs read them."""
+    key = (tuple(index.shape), str(index.device))
+    if key not in _DOCUMENT_BUFFERS:
+        _DOCUMENT_BUFFERS[key] = torch.empty_like(index)
+    return _DOCUMENT_BUFFERS[key].copy_(index)
+
+
+@functools.cache
+def _packed_mask_mod(window: int | None, documents: torch.Tensor):
+    inner = _mask_mod(window)
+
+    def packed(batch, head, q_idx, kv_idx):
+        return inner(batch, head, q_idx, kv_idx) & (documents[batch, q_idx] == documents[batch, kv_idx])
+
+    return packed
 
 
 @functools.cache

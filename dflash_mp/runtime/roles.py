@@ -122,7 +122,10 @@ def make_feature_extractor(
 def hidden_states_for_drafter(extractor, batch: MicroBatch, dtype: torch.dtype, device: torch.device):
     if batch.input_ids.shape[0] == 0:
         return torch.empty(0, 0, extractor.hidden_size * len(extractor.layer_ids), dtype=dtype, device=device)
-    return extractor(batch.input_ids.to(device)).to(dtype)
+    document_ids = getattr(batch, "document_ids", None)  # packed rows (data.packing)
+    if document_ids is None:
+        return extractor(batch.input_ids.to(device)).to(dtype)
+    return extractor(batch.input_ids.to(device), document_ids.to(device)).to(dtype)
 
 
 def run_target(cfg: RootConfig, job: Job, start_step: int, steps: int, reader, extractor, dtype) -> None:
@@ -180,11 +183,14 @@ def run_target(cfg: RootConfig, job: Job, start_step: int, steps: int, reader, e
             sender.send_end_of_data(topology.targets + drafter, m_end)
     sender.close()
     log.info(
-        "done: sent %.1f MB, busy %.1fs, waited %.1fs, %d bad records",
+        "done: sent %.1f MB, busy %.1fs, waited %.1fs, %d bad records%s",
         sender.bytes_sent / 1e6,
         sender.clock.busy_s,
         sender.clock.wait_s,
         reader.bad_records,
+        f", peak GPU memory {torch.cuda.max_memory_allocated(job.device) / 2**30:.1f} GiB"
+        if job.device.type == "cuda"
+        else "",
     )
 
 
