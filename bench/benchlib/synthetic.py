@@ -21,7 +21,7 @@ from dflash_mp.models.dflash2 import GroupedDynamicConv
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import DFLASH2_FIELDS, SCALING_DEFAULTS, build_drafter_config
 from dflash_mp.models.target import TargetFeatureExtractor
-from dflash_mp.runtime.transport import pack_tokens, unpack_tokens
+from dflash_mp.runtime.transport import pack_tokens, unpack_document_ids, unpack_tokens
 from dflash_mp.training.features import Features
 
 from .shapes import Shape
@@ -68,12 +68,15 @@ def batch_to(batch: MicroBatch, device: torch.device) -> MicroBatch:
         loss_mask=batch.loss_mask.to(device),
         lengths=batch.lengths.to(device),
         sample_ids=batch.sample_ids.to(device),
+        document_ids=None if batch.document_ids is None else batch.document_ids.to(device),
     )
 
 
 def received_form(batch: MicroBatch, hidden: torch.Tensor, device: torch.device) -> Features:
     """`batch` exactly as a drafter's Receiver hands it over (same views, dtypes, device)."""
-    tokens = pack_tokens(batch.input_ids, batch.loss_mask, batch.lengths, batch.sample_ids).to(device)
+    tokens = pack_tokens(
+        batch.input_ids, batch.loss_mask, batch.lengths, batch.sample_ids, batch.document_ids
+    ).to(device)
     input_ids, loss_mask, lengths, sample_ids = unpack_tokens(tokens, batch.input_ids.shape[1])
     return Features(
         index=batch.index,
@@ -83,6 +86,7 @@ def received_form(batch: MicroBatch, hidden: torch.Tensor, device: torch.device)
         lengths=lengths,
         sample_ids=sample_ids,
         hidden_states=hidden.contiguous(),
+        document_ids=unpack_document_ids(tokens, batch.input_ids.shape[1]),
         nbytes=tokens.numel() * tokens.element_size() + hidden.numel() * hidden.element_size(),
     )
 
