@@ -11,9 +11,10 @@ import pytest
 from dflash_mp import doctor, embedded
 from dflash_mp.config.schema import compose_config
 from dflash_mp.data import ChatRenderer, JsonlIndex, load_tokenizer
-from dflash_mp.data.preflight import judge, sample_ids, sample_report
+from dflash_mp.data.preflight import Scoring, judge, sample_ids, sample_report
 
 TARGET = embedded.embedded_path("target")
+SCORING = Scoring(block_size=8)
 
 
 def record(user: str, assistant: str) -> str:
@@ -38,20 +39,22 @@ def write(path: Path, lines: list[str]) -> Path:
 
 def test_report_counts_reasons_lengths_and_truncations(renderer: ChatRenderer, tmp_path: Path) -> None:
     path = write(tmp_path / "d.jsonl", [GOOD, "{", GOOD, LONG, '{"prompt": "x"}', GOOD, "{"])
-    report = sample_report(JsonlIndex([path]), renderer, max_length=32, on_too_long="truncate")
+    report = sample_report(
+        JsonlIndex([path]), renderer, max_length=32, on_too_long="truncate", scoring=SCORING
+    )
     assert (report.sampled, report.parsed, report.truncated) == (7, 4, 1)
     assert dict(report.bad) == {"malformed JSON": 2, "unknown format": 1}
     assert report.examples["malformed JSON"][0].startswith(f"{path}:2: ")
     (unknown,) = report.examples["unknown format"]
     assert unknown.startswith(f"{path}:5: unknown record format (keys: prompt); accepted: ")
-    assert report.histogram().endswith(">32: 1") and len(report.loss_tokens) == 4
+    assert report.histogram().endswith(">32: 1") and len(report.scored_tokens) == 4
     text = report.summary()
     assert "4 of 7 sampled records usable" in text and "1 truncated" in text and f"{path}:5" in text
     assert judge(report, max_bad_fraction=0.5, on_bad_record="skip") is None
     assert "above data.max_bad_fraction=0.05" in judge(report, max_bad_fraction=0.05, on_bad_record="skip")
     assert "data.on_bad_record=fail" in judge(report, max_bad_fraction=0.5, on_bad_record="fail")
 
-    skipped = sample_report(JsonlIndex([path]), renderer, max_length=32, on_too_long="skip")
+    skipped = sample_report(JsonlIndex([path]), renderer, max_length=32, on_too_long="skip", scoring=SCORING)
     assert (skipped.parsed, skipped.too_long_skipped, skipped.truncated) == (3, 1, 0)
 
 
@@ -63,14 +66,18 @@ def test_no_loss_tokens_fails_even_when_bad_records_are_tolerated(
     )
     long_prompt = record(" ".join(str(i) for i in range(1, 31)), "3.")
     path = write(tmp_path / "d.jsonl", [long_prompt, json.dumps({"text": "a b", "loss_spans": []})])
-    report = sample_report(JsonlIndex([path]), renderer, max_length=16, on_too_long="truncate")
+    report = sample_report(
+        JsonlIndex([path]), renderer, max_length=16, on_too_long="truncate", scoring=SCORING
+    )
     assert report.parsed == 0 and "no loss tokens" in report.bad
     assert "no loss tokens remain" in judge(report, max_bad_fraction=1.0, on_bad_record="skip")
-    # An empty answer still trains the end-of-turn token: usable.
-    assert (
-        sample_report(JsonlIndex([write(tmp_path / "e.jsonl", [no_answer])]), renderer, 32, "truncate").parsed
-        == 1
+    # An empty answer renders the end-of-turn token alone: a usable record that trains nothing.
+    empty = sample_report(
+        JsonlIndex([write(tmp_path / "e.jsonl", [no_answer] * 3)]), renderer, 32, "truncate", SCORING
     )
+    assert (empty.parsed, empty.trainable) == (3, 0)
+    assert "3 of 3 sampled records usable, 0 trainable" in empty.summary()
+    assert "none of the 3 usable sampled records" in judge(empty, max_bad_fraction=0.0, on_bad_record="fail")
 
 
 def test_sample_is_evenly_spread_and_bounded() -> None:
@@ -96,7 +103,11 @@ def test_doctor_fails_fast_on_an_unknown_format_naming_file_line_and_formats(tmp
 def test_doctor_reports_the_bundled_data_as_usable(tmp_path: Path) -> None:
     checks = doctor.preflight(compose_config(["train.device=cpu"]), tmp_path / "run")
     data = next(c for c in checks if c.name == "data")
-    assert data.ok and "sampled records usable" in data.message and "loss tokens per record" in data.message
+    assert (
+        data.ok
+        and "sampled records usable" in data.message
+        and "scored tokens per trainable record" in data.message
+    )
 
 
 def test_config_names_bad_data_fields(tmp_path: Path) -> None:
@@ -150,3 +161,31 @@ def test_packing_reads_every_record_so_bad_ones_between_samples_are_caught(
     )
     data = next(c for c in checks if c.name == "data")
     assert data.ok and "packing: all 30 records read, 30 usable, 0 bad" in data.message
+
+
+@pytest.mark.parametrize("block_size", [2, 3, 8])
+def test_scored_tokens_are_the_labels_the_trainer_scores(block_size: int) -> None:
+    """Scoring counts, over random loss masks, exactly the positions block_labels weights when
+    every eligible anchor is drawn; under packing a record whose anchor budget is 0 scores none."""
+    import torch
+
+    from dflash_mp.objective.draft_blocks import block_labels, sample_anchors, sample_document_anchors
+
+    gen = torch.Generator().manual_seed(block_size)
+    for trial in range(60):
+        n = int(torch.randint(1, 20, (1,), generator=gen))
+        mask = (torch.rand(1, n, generator=gen) < 0.6).to(torch.uint8)
+        lengths, ids = torch.tensor([n]), torch.arange(n)[None]
+        anchors, valid = sample_anchors(mask, lengths, torch.tensor([trial]), 0, 0, num_anchors=n)
+        _, weights = block_labels(ids, mask, lengths, anchors, valid, block_size, gamma=4.0)
+        scored = (anchors[:, :, None] + torch.arange(block_size))[weights > 0]
+        assert Scoring(block_size).scored_tokens(mask[0].tolist()) == len(set(scored.tolist())), mask
+        for num_anchors in (1, 4):  # one record alone in a packed row of 16 tokens
+            documents = torch.full((1, n), trial)
+            args = (mask, lengths, documents, 0, 0, num_anchors, 16)
+            _, packed_valid = sample_document_anchors(*args)
+            packed = Scoring(block_size, packed_anchors=num_anchors, max_length=16)
+            assert (packed.scored_tokens(mask[0].tolist()) > 0) == bool(packed_valid.any()), (
+                mask,
+                num_anchors,
+            )

@@ -1,8 +1,9 @@
 """The data check of the preflight: a sample read through the real tokenizer and template.
 
 Evenly spaced records (SAMPLE_SIZE, or all when fewer) are parsed exactly as the target ranks
-will parse them; the report says what they hold and the check fails, before any worker starts,
-when training would stop on them or learn from nothing.
+will parse them, and their labels counted where the drafter's trainer scores them; the report says
+what they hold and the check fails, before any worker starts, when training would stop on them or
+learn from nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +25,30 @@ HISTOGRAM_EDGES = (0.25, 0.5, 0.75, 1.0)
 INDENT = " " * 16
 
 
+@dataclass(frozen=True)
+class Scoring:
+    """Where the trainer scores labels (dflash_mp.objective.draft_blocks): an anchor p is a response
+    token at p >= 1 whose next token is a response token too; it scores the response tokens at
+    p + 1 .. p + block_size - 1. Under data.packing a record of n tokens gets
+    num_anchors * n // max_length anchors, none when that is 0."""
+
+    block_size: int
+    packed_anchors: int | None = None  # data.num_anchors when data.packing, else None
+    max_length: int = 1
+
+    def scored_tokens(self, loss_mask: list[int]) -> int:
+        """How many of the record's tokens some anchor scores."""
+        if self.packed_anchors is not None and self.packed_anchors * len(loss_mask) // self.max_length == 0:
+            return 0
+        scored, last_anchor = 0, None
+        for q in range(1, len(loss_mask)):
+            if loss_mask[q] and last_anchor is not None and q - last_anchor < self.block_size:
+                scored += 1
+            if q + 1 < len(loss_mask) and loss_mask[q] and loss_mask[q + 1]:
+                last_anchor = q
+        return scored
+
+
 @dataclass
 class SampleReport:
     """What a sample of the data holds, read the way training reads it."""
@@ -33,7 +58,8 @@ class SampleReport:
     parsed: int = 0
     truncated: int = 0
     too_long_skipped: int = 0
-    loss_tokens: list[int] = field(default_factory=list)
+    # Per usable record: the tokens the trainer scores (Scoring); 0 for one it learns nothing from.
+    scored_tokens: list[int] = field(default_factory=list)
     # Full token lengths, before truncation (so the histogram shows how much is cut).
     lengths: list[int] = field(default_factory=list)
     bad: Counter = field(default_factory=Counter)  # kind -> count
@@ -62,14 +88,25 @@ class SampleReport:
         labels = [f"<={edge}" for edge in edges] + [f">{self.max_length}"]
         return ", ".join(f"{label}: {count}" for label, count in zip(labels, counts, strict=True))
 
+    @property
+    def trainable(self) -> int:
+        return sum(1 for tokens in self.scored_tokens if tokens)
+
     def summary(self) -> str:
-        n = self.sampled
-        lines = [f"{self.parsed} of {n} sampled records usable (of {self.total_records} in the data)"]
-        if self.loss_tokens:
-            tokens = sorted(self.loss_tokens)
+        lines = [
+            f"{self.parsed} of {self.sampled} sampled records usable, {self.trainable} trainable "
+            f"(of {self.total_records} in the data)"
+        ]
+        if self.trainable:
+            tokens = sorted(t for t in self.scored_tokens if t)
             lines.append(
-                f"loss tokens per record: mean {sum(tokens) / len(tokens):.0f}, min {tokens[0]}, "
+                f"scored tokens per trainable record: mean {sum(tokens) / len(tokens):.0f}, min {tokens[0]}, "
                 f"median {tokens[len(tokens) // 2]}, max {tokens[-1]}"
+            )
+        if self.trainable < self.parsed:
+            lines.append(
+                f"{self.parsed - self.trainable} usable record(s) give the trainer nothing to score: "
+                "an answer needs two tokens in a row (the end-of-turn token alone gives no anchor)"
             )
         if self.lengths:
             lines.append(f"tokens per record vs data.max_length={self.max_length}: {self.histogram()}")
@@ -89,7 +126,12 @@ def sample_ids(num_records: int, size: int = SAMPLE_SIZE) -> list[int]:
 
 
 def sample_report(
-    index: Records, renderer: ChatRenderer, max_length: int, on_too_long: str, size: int = SAMPLE_SIZE
+    index: Records,
+    renderer: ChatRenderer,
+    max_length: int,
+    on_too_long: str,
+    scoring: Scoring,
+    size: int = SAMPLE_SIZE,
 ) -> SampleReport:
     report = SampleReport(total_records=len(index), max_length=max_length)
     tokenizer = renderer.tokenizer
@@ -123,7 +165,7 @@ def sample_report(
                 continue
             report.truncated += 1
         report.parsed += 1
-        report.loss_tokens.append(sum(sample.loss_mask))
+        report.scored_tokens.append(scoring.scored_tokens(sample.loss_mask))
     return report
 
 
@@ -139,8 +181,14 @@ def judge(report: SampleReport, max_bad_fraction: float, on_bad_record: str) -> 
             f"{bad} of {report.sampled} sampled records ({report.bad_fraction:.1%}) are unusable, above "
             f"data.max_bad_fraction={max_bad_fraction}: fix the data or raise data.max_bad_fraction"
         )
-    if not sum(report.loss_tokens):
+    if not report.parsed:
         return "no loss tokens remain in the sample: training would learn nothing (see the reasons above)"
+    if not report.trainable:
+        return (
+            f"none of the {report.parsed} usable sampled records gives the trainer a token to score: "
+            "every answer is empty or one token (an anchor needs a response token followed by another): "
+            "fix or regenerate the answers"
+        )
     return None
 
 
@@ -152,7 +200,8 @@ def check_data_sample(cfg: Any) -> tuple[bool, str]:
         renderer = load_renderer(
             cfg.model.target_path, cfg.model.trust_remote_code, d.chat_template, d.chat_template_kwargs
         )
-        report = sample_report(index, renderer, d.max_length, d.on_too_long)
+        scoring = Scoring(cfg.model.block_size, d.num_anchors if d.packing else None, d.max_length)
+        report = sample_report(index, renderer, d.max_length, d.on_too_long, scoring)
     except DataError as e:
         return False, str(e)
     except Exception as e:  # e.g. a tokenizer that does not load: the target check names the cause
