@@ -16,7 +16,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from dflash_mp.config.schema import ConfigError, RootConfig, to_dataclass
+from dflash_mp.config.schema import (
+    ConfigError,
+    RootConfig,
+    TargetConfigError,
+    checked_target_config,
+    to_dataclass,
+)
 from dflash_mp.config.validation import processes_per_job, validate
 from dflash_mp.run.processes import zombie_children
 from dflash_mp.run.rundir import fresh_start_problem
@@ -76,7 +82,8 @@ def preflight(
             checks += [check_devices(cfg.train.device, per_node), check_backends(uses_gpu)]
             checks.append(check_attention(cfg.train.attention, cfg.train.dtype, uses_gpu))
         checks.append(check_target(cfg.model.target_path))
-        if checks[0].ok and checks[-1].ok:
+        # A config.json the config check refuses (it names the file) tells nothing of the kernels.
+        if checks[0].ok and checks[-1].ok and _usable_target_config(cfg.model.target_path):
             import torch
 
             from dflash_mp.config.precision import resolve_cuda_graphs
@@ -273,6 +280,14 @@ def check_target(target_path: str) -> Check:
         )
     size = sum(w.stat().st_size for w in weights) / 2**30
     return Check("target", True, f"{path}: {len(weights)} weight file(s), {size:.2f} GiB")
+
+
+def _usable_target_config(target_path: str) -> bool:
+    try:
+        checked_target_config(target_path)
+    except TargetConfigError:
+        return False
+    return True
 
 
 def check_target_kernels(

@@ -21,6 +21,7 @@ from dflash_mp.data.benchmark_sets import (
     resolve_benchmarks,
     split_spec,
 )
+from tests.test_config import QWEN3_8B_SHAPE
 
 # One record of each set, with the fields its publisher's file has (values shortened).
 RECORDS = {
@@ -184,7 +185,7 @@ def test_config_refuses_missing_and_unknown_benchmarks_before_any_worker(tmp_pat
 def test_benchmarks_stand_in_for_held_out_prompts_of_a_real_target(tmp_path: Path) -> None:
     target = tmp_path / "Qwen3-8B"
     target.mkdir()
-    (target / "config.json").write_text('{"num_hidden_layers": 36, "max_position_embeddings": 40960}')
+    (target / "config.json").write_text(json.dumps(QWEN3_8B_SHAPE))
     data = write_jsonl(tmp_path / "train.jsonl", [{}])
     gsm8k = write_jsonl(tmp_path / "gsm8k.jsonl", [RECORDS["gsm8k"]])
     common = ["experiment=paper", f"model.target_path={target}", f"data.train_files=[{data}]"]

@@ -1,5 +1,6 @@
 """Config validation: every problem named with its field and the valid range, all at once."""
 
+import json
 import subprocess
 import sys
 
@@ -7,6 +8,19 @@ import pytest
 
 from dflash_mp.config.schema import ConfigError, compose_config, default_target_layer_ids, to_dataclass
 from dflash_mp.config.validation import validate
+
+# Qwen/Qwen3-8B's config.json, the fields the preflight reads: a stand-in without weights.
+QWEN3_8B_SHAPE = {
+    "model_type": "qwen3",
+    "num_hidden_layers": 36,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+}
 
 
 def _cfg(*overrides: str):
@@ -81,7 +95,7 @@ def test_paper_recipe_checkpoints_and_needs_held_out_prompts_for_a_real_target(t
     """experiment=paper evaluates tau on the user's held-out prompts, never the embedded toy ones."""
     target = tmp_path / "Qwen3-8B"
     target.mkdir()
-    (target / "config.json").write_text('{"num_hidden_layers": 36, "max_position_embeddings": 40960}')
+    (target / "config.json").write_text(json.dumps(QWEN3_8B_SHAPE))
     data = tmp_path / "train.jsonl"
     data.write_text("{}\n")
     common = ("experiment=paper", f"model.target_path={target}", f"data.train_files=[{data}]")

@@ -14,7 +14,8 @@ import torch.multiprocessing as mp
 from transformers import Qwen3Config
 
 from dflash_mp.config.schema import ConfigError, compose_config, to_dataclass
-from dflash_mp.config.validation import target_parallel_head_problems, validate
+from dflash_mp.config.target_checks import target_parallel_head_problems
+from dflash_mp.config.validation import validate
 from dflash_mp.embedded import target_dir
 from dflash_mp.models.target import TargetFeatureExtractor
 from dflash_mp.models.tensor_parallel import layer_plan

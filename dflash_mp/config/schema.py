@@ -274,12 +274,54 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+class TargetConfigError(ConfigError):
+    """The target's config.json cannot be read as a model's config; the message names the file."""
+
+
+# What the trainer reads from the target's (text) config without a default.
+REQUIRED_TARGET_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+
+
 def read_target_config(target_path: str) -> dict[str, Any]:
-    """The target's config.json as a dict (cheap: no model import)."""
-    with open(Path(target_path) / "config.json") as f:
-        config = json.load(f)
+    """The target's config.json as a dict (cheap: no model import), the text config of a multimodal
+    one. TargetConfigError when the file cannot be read or is not a JSON object."""
+    path = Path(target_path) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise TargetConfigError(f"{path}: cannot be read ({e.strerror or e})") from e
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise TargetConfigError(f"{path}: not valid JSON ({e}); is the file complete?") from e
+    if not isinstance(config, dict):
+        raise TargetConfigError(
+            f"{path}: holds a JSON {type(config).__name__}, not an object of model fields"
+        )
     # Multimodal wrappers keep the language model under text_config.
-    return config.get("text_config", config) if "num_hidden_layers" not in config else config
+    text = config.get("text_config", config) if "num_hidden_layers" not in config else config
+    if not isinstance(text, dict):
+        raise TargetConfigError(f"{path}: its text_config is a {type(text).__name__}, not an object")
+    return text
+
+
+def checked_target_config(target_path: str) -> dict[str, Any]:
+    """read_target_config, refusing (TargetConfigError) a config that lacks a field of
+    REQUIRED_TARGET_FIELDS or holds one that is not a positive integer."""
+    config = read_target_config(target_path)
+    missing = [key for key in REQUIRED_TARGET_FIELDS if key not in config]
+    wrong = [
+        f"{key}={config[key]!r}"
+        for key in REQUIRED_TARGET_FIELDS
+        if key in config and not (type(config[key]) is int and config[key] > 0)
+    ]
+    what = ([f"lacks {', '.join(missing)}"] if missing else []) + (
+        [f"{', '.join(wrong)}: not a positive integer"] if wrong else []
+    )
+    if what:
+        raise TargetConfigError(
+            f"{Path(target_path) / 'config.json'}: {'; '.join(what)} (fields of a causal LM's config "
+            "that the trainer reads)"
+        )
+    return config
 
 
 def resolved_target_layer_ids(cfg: DictConfig | RootConfig, num_target_layers: int) -> list[int]:

@@ -7,20 +7,12 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from dflash_mp.config.mask_token import mask_token_problems
-from dflash_mp.config.schema import (
-    CONF_DIR,
-    ConfigError,
-    RootConfig,
-    is_embedded_target,
-    read_target_config,
-    resolved_target_layer_ids,
-)
+from dflash_mp.config.schema import CONF_DIR, ConfigError, RootConfig, is_embedded_target
+from dflash_mp.config.target_checks import target_problems
 
 
 def _choice(problems: list[str], name: str, value: Any, allowed: tuple) -> None:
@@ -79,41 +71,6 @@ def _validate_layers_and_scaling(problems: list[str], m: Any) -> None:
         )
 
 
-def _validate_dflash2_against_target(problems: list[str], m: Any, target: dict[str, Any]) -> None:
-    hidden, vocab = int(target["hidden_size"]), int(target["vocab_size"])
-    if isinstance(m.conv_group_size, int) and m.conv_group_size >= 1 and hidden % m.conv_group_size:
-        divisors = [g for g in (8, 16, 32, 64) if hidden % g == 0]
-        problems.append(
-            f"model.conv_group_size={m.conv_group_size}: must divide the target's hidden size {hidden}"
-            + (f" (e.g. {divisors[0]})" if divisors else "")
-        )
-    if isinstance(m.selector_top_k, int) and m.selector_top_k > vocab:
-        problems.append(f"model.selector_top_k={m.selector_top_k}: exceeds the target's vocab_size {vocab}")
-
-
-def drafter_config_problems(m: Any, target: dict[str, Any], layer_ids: list[int]) -> list[str]:
-    """Whether the drafter's config builds from the target's config.json (its RoPE, heads, MLP), as
-    training will build it: a target the drafter cannot follow fails here, not 20 s into a job."""
-    from dflash_mp.models.drafter_config import build_drafter_config
-
-    if any(key not in target for key in ("hidden_size", "num_attention_heads", "vocab_size")):
-        return []  # not a model's config (a stub in tests); loading the target reports it
-    try:
-        build_drafter_config(
-            target,
-            draft_layers=m.draft_layers,
-            target_layer_ids=layer_ids,
-            block_size=max(2, m.block_size),
-            mask_token_id=0,  # the other fields are checked on their own above
-        )
-    except ValueError as error:
-        return [
-            f"model.target_path={str(m.target_path)!r}: its config.json gives no drafter config "
-            f"({error}); see docs/TARGETS.md for what each target family gives the drafter"
-        ]
-    return []
-
-
 def target_parallel_problems(targets: Any, k: Any) -> list[str]:
     """What is wrong with splitting `targets` target ranks into replicas of `k` (empty: nothing)."""
     if not (isinstance(k, int) and k >= 1):
@@ -125,30 +82,6 @@ def target_parallel_problems(targets: Any, k: Any) -> list[str]:
             f"{max(k, targets // k * k)} or another multiple of {k}"
         ]
     return []
-
-
-def target_parallel_head_problems(k: Any, target: dict[str, Any]) -> list[str]:
-    """Tensor parallelism splits attention by heads and the MLP by columns: with `k` ranks per
-    replica, the target's (config.json) head counts and intermediate_size must divide by `k`."""
-    if not (isinstance(k, int) and k > 1):
-        return []
-    problems = []
-    heads = int(target["num_attention_heads"])
-    kv_heads = int(target.get("num_key_value_heads") or heads)
-    if heads % k or kv_heads % k:
-        fitting = [d for d in range(2, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
-        problems.append(
-            f"topology.target_parallel={k}: the target's num_attention_heads={heads} and "
-            f"num_key_value_heads={kv_heads} must both divide by it; use "
-            + (f"one of {fitting}" if fitting else "topology.target_parallel=1 (no split fits these heads)")
-        )
-    intermediate = target.get("intermediate_size")
-    if isinstance(intermediate, int) and intermediate % k:
-        problems.append(
-            f"topology.target_parallel={k}: the target's intermediate_size={intermediate} does not "
-            f"divide by it; use a topology.target_parallel that divides it"
-        )
-    return problems
 
 
 def _validate_split(problems: list[str], t: Any, world_size: int | None) -> None:
@@ -341,48 +274,7 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
         if problem is not None:
             problems.append(f"{key}={path!r}: {problem}")
 
-    target_dir = Path(str(m.target_path))
-    if m.arch == "dflash2" and (target_dir / "config.json").is_file():
-        _validate_dflash2_against_target(problems, m, read_target_config(str(target_dir)))
-    if not (target_dir / "config.json").is_file():
-        problems.append(
-            f"model.target_path={str(m.target_path)!r}: no config.json there; point it at a local "
-            "HF-format model directory"
-        )
-    else:
-        target = read_target_config(str(target_dir))
-        num_layers = int(target["num_hidden_layers"])
-        if not (1 <= m.draft_layers <= num_layers):
-            problems.append(
-                f"model.draft_layers={m.draft_layers!r}: must be in [1, {num_layers}] "
-                f"(the target has {num_layers} layers)"
-            )
-        else:
-            ids = resolved_target_layer_ids(cfg, num_layers)
-            bad = [i for i in ids if not (0 <= i < num_layers)]
-            if bad:
-                problems.append(
-                    f"model.target_layer_ids={ids!r}: ids {bad} are outside the target's "
-                    f"layers [0, {num_layers - 1}]"
-                )
-            if len(set(ids)) != len(ids):
-                problems.append(f"model.target_layer_ids={ids!r}: ids must be distinct")
-            if not bad:
-                problems += drafter_config_problems(m, target, ids)
-        problems += mask_token_problems(cfg.model, target_dir)
-        problems += target_parallel_head_problems(t.target_parallel, target)
-        if isinstance(t.target_parallel, int) and t.target_parallel > 1:
-            # torch and transformers come in only for a replica that needs them.
-            from dflash_mp.models.tensor_parallel import plan_problems
-
-            problems += plan_problems(target, t.target_parallel)
-        max_positions = target.get("max_position_embeddings")
-        if max_positions is not None and d.max_length > max_positions:
-            problems.append(
-                f"data.max_length={d.max_length}: exceeds the target's max_position_embeddings "
-                f"({max_positions})"
-            )
-
+    problems += target_problems(cfg)
     if problems:
         raise ConfigError(
             f"{len(problems)} configuration problem(s):\n" + "\n".join(f"  - {p}" for p in problems)

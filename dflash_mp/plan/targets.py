@@ -12,13 +12,12 @@ tokens, plus attention, at the entry's MFU); otherwise it comes from the `--benc
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_mp.config.schema import CONF_DIR, compose_config, read_target_config
+from dflash_mp.config.schema import CONF_DIR, TargetConfigError, compose_config, read_target_config
 from dflash_mp.embedded import embedded_path
 from dflash_mp.plan import PlanError
 from dflash_mp.plan.costs import (
@@ -88,8 +87,8 @@ def _from_directory(directory: Path, label: str) -> tuple[dict[str, Any], str]:
         raise PlanError(f"--target {label}: no config.json in {directory} (give the target's HF directory)")
     try:
         return read_target_config(str(directory)), f"{directory / 'config.json'}"
-    except json.JSONDecodeError as e:
-        raise PlanError(f"--target {label}: config.json is not JSON ({e})") from e
+    except TargetConfigError as e:
+        raise PlanError(f"--target {label}: {e}") from e
 
 
 def _record_config(record: FamilyRecord) -> dict[str, Any]:
