@@ -360,8 +360,13 @@ def test_killing_the_launcher_ends_the_whole_job(tmp_path, adopt_orphans):
         )
         stop = launch_cli("stop", str(job.run_dir))
         assert stop.returncode == 0 and "Traceback" not in stop.stderr, stop.stdout + stop.stderr
+        assert f"nothing of the job is running: its supervisor (pid {job.proc.pid}) is gone" in stop.stdout
         assert "preempted: exit code 75" in stop.stdout and (job.run_dir / "PREEMPTED").exists(), stop.stdout
         assert "state:      preempted" in launch_cli("status", str(job.run_dir)).stdout
+        # The agent's end is one line in job.log, not torchrun's stack.
+        log = (job.run_dir / "logs" / "job.log").read_text()
+        assert "dflash_mp agent: stopped by SIGTERM, which it passed on to the ranks" in log, log[-3000:]
+        assert "SignalException" not in log, log[-3000:]
     finally:
         job.cleanup()
 
@@ -378,3 +383,16 @@ def test_status_and_stop_of_a_path_that_is_no_run_directory_exit_2_naming_it(tmp
     (typo / LOCK_NAME).touch()
     proc = launch_cli(command, str(typo))
     assert proc.returncode == 0 and "not a run directory" not in proc.stderr, proc.stdout + proc.stderr
+
+
+def test_stop_says_nothing_runs_when_the_supervisor_died_alone(tmp_path, capsys) -> None:
+    """job.json still says running, no process of the job is left: stop says so and records it."""
+    from dflash_mp.launch.detached import stop
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    outcome.write_job_state(tmp_path, state="running", pid=dead.pid, pgid=dead.pid)
+    assert stop(tmp_path, timeout_s=1) == 0
+    out = capsys.readouterr().out
+    assert f"nothing of the job is running: its supervisor (pid {dead.pid}) is gone" in out, out
+    assert "(running)" not in out and "failed: exit code 1" in out

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import traceback
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             f"dflash_mp agent: starting {args.nproc_per_node} rank(s) as fresh interpreters", file=sys.stderr
         )
         startup.resume()
-        torchrun.run(args)
+        _ending_on_a_signal_in_one_line(lambda: torchrun.run(args))
         return
     # What torchrun's --standalone means: a c10d rendezvous on a free local port.
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
@@ -135,7 +136,23 @@ def main(argv: list[str] | None = None) -> None:
     config, _, _ = torchrun.config_from_args(args)
     config.start_method = "fork"
     print(f"dflash_mp agent: starting {args.nproc_per_node} rank(s) forked from this agent", file=sys.stderr)
-    elastic_launch(config=config, entrypoint=_rank_main)(*args.training_script_args)
+    _ending_on_a_signal_in_one_line(
+        lambda: elastic_launch(config=config, entrypoint=_rank_main)(*args.training_script_args)
+    )
+
+
+def _ending_on_a_signal_in_one_line(run_agent: Callable[[], object]) -> None:
+    """Run torchrun's agent. A stop signal (the launcher's, or the parent-death signal when it was
+    killed) makes the agent pass it on to the ranks and then raise SignalException: that ends the
+    agent with one line in job.log instead of torchrun's stack (about 50 lines), exit 1 as before."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        run_agent()
+    except SignalException as e:
+        name = signal.Signals(e.sigval).name
+        print(f"dflash_mp agent: stopped by {name}, which it passed on to the ranks", file=sys.stderr)
+        sys.exit(1)
 
 
 class ForkedAgent:

@@ -180,7 +180,7 @@ def stop(run_dir: Path, timeout_s: float = STOP_TIMEOUT_S) -> int:
     # not be signalled: there the supervisor passes the signal on to torchrun itself.
     own_group = supervisor is not None and supervisor == pgid
     if not owned:
-        print(f"{run_dir}: not running ({state.get('state', 'no job.json')})")
+        print(f"{run_dir}: {_nothing_running(state)}")
     elif own_group:
         print(f"stopping {run_dir}: SIGTERM to process group {pgid}", flush=True)
         with contextlib.suppress(ProcessLookupError):
@@ -212,6 +212,19 @@ def stop(run_dir: Path, timeout_s: float = STOP_TIMEOUT_S) -> int:
     final = read_job_state(run_dir)
     print(f"{final.get('state')}: exit code {final.get('exit_code')}: {final.get('summary')}")
     return 0
+
+
+def _nothing_running(state: dict[str, Any]) -> str:
+    """What `stop` says of a run directory none of whose processes lives."""
+    recorded = state.get("state")
+    if recorded in ("starting", "running"):
+        return (
+            f"nothing of the job is running: its supervisor (pid {state.get('pid')}) is gone without "
+            "writing an outcome"
+        )
+    if recorded is None:
+        return "nothing is running (no job.json: not started by dflash_mp.launch)"
+    return f"not running: job.json records {recorded}, exit code {state.get('exit_code')}"
 
 
 def _record_lost_supervisor(run_dir: Path, state: dict[str, Any], stopped: bool, elapsed_s: float) -> None:
