@@ -18,7 +18,7 @@ from dflash_mp.runtime.roles import (
 )
 from dflash_mp.training.features import features_of
 from dflash_mp.training.recipe import lr_at
-from dflash_mp.training.trainer import DrafterTrainer
+from dflash_mp.training.trainer import DrafterTrainer, NonFiniteStep
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():
@@ -92,6 +92,35 @@ def test_skipping_non_finite_steps_stops_once_too_many_come_in_a_row():
     ]
     with pytest.raises(FloatingPointError, match=r"steps 5 to 7: 3 steps in a row.*max_nonfinite_in_a_row"):
         step(bad)
+
+
+def test_the_non_finite_step_that_stops_the_job_has_its_line_in_metrics_jsonl(tmp_path):
+    """The step train.on_nonfinite=stop ends on is written like a skipped one (every field of a
+    step, loss null), marked stopped_the_job, before the job fails."""
+    from types import SimpleNamespace
+
+    from dflash_mp.run.metrics import MetricsLogger
+    from dflash_mp.runtime.job import train
+    from tests.conftest import read_metrics
+
+    cfg = to_dataclass(compose_config(["train.max_steps=4", "train.on_nonfinite=stop"]))
+    trainer = DrafterTrainer(cfg, torch.device("cpu"), total_steps=4)
+    good = _batch_on(_micro_batch(cfg), "cpu", trainer.hidden_dtype)
+    bad = _batch_on(_micro_batch(cfg), "cpu", trainer.hidden_dtype)
+    bad.hidden_states[0, 0, 0] = math.nan
+
+    def run_role(cfg, job, trainer, start_step, steps, on_step) -> None:
+        for batch in (good, bad, good):
+            trainer.micro_step(batch, last_of_step=True)
+            on_step(trainer.optimizer_step())
+
+    metrics = MetricsLogger(tmp_path, 4, 0, cfg.logger, {})
+    recorder = SimpleNamespace(metrics=metrics, record=metrics.log)
+    with pytest.raises(NonFiniteStep, match="at step 2"):
+        train(cfg, None, trainer, 0, 4, run_role, recorder)
+    first, last = read_metrics(tmp_path)
+    assert last["step"] == 2 and last["skipped"] and last["skip_reason"] == "nonfinite", last
+    assert last["stopped_the_job"] and last["loss"] is None and set(first) < set(last)
 
 
 def test_wandb_runs_offline_and_never_writes_the_api_key(tmp_path, monkeypatch):

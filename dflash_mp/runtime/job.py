@@ -45,7 +45,7 @@ from dflash_mp.runtime.roles import (
 )
 from dflash_mp.runtime.target_parallel import replica_mesh
 from dflash_mp.runtime.topology import Role
-from dflash_mp.training.trainer import DrafterTrainer
+from dflash_mp.training.trainer import DrafterTrainer, NonFiniteStep
 
 
 def run_job(cfg: RootConfig, job: Job, run_dir: Path) -> None:
@@ -148,6 +148,10 @@ def train(
 
     try:
         run_role(cfg, job, trainer, start_step, steps, on_step)
+    except NonFiniteStep as stop:  # the step that ends the job has its line in metrics.jsonl too
+        if recorder is not None:
+            recorder.metrics.log(stop.record)
+        raise
     except watchdog.Preempted:
         if recorder is not None:
             recorder.preempted()

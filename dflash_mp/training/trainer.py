@@ -34,6 +34,15 @@ from dflash_mp.training.streaming_adamw import StreamingAdamW, triton
 from dflash_mp.training.working_weights import WorkingWeights
 
 
+class NonFiniteStep(FloatingPointError):
+    """A non-finite step that ends the job; `record` is its metrics record (skipped, skip_reason
+    "nonfinite", stopped_the_job), for metrics.jsonl before the job stops."""
+
+    def __init__(self, message: str, record: dict) -> None:
+        super().__init__(message)
+        self.record = record
+
+
 @dataclass
 class PreparedBatch:
     """A micro-batch whose blocks (anchors, block tokens, labels, mask) are already queued on the
@@ -250,22 +259,7 @@ class DrafterTrainer:
         if not host.applied:
             self.optimizer.uncount_last_step()
 
-        loss, grad_norm, skip_reason = None, 0.0, None
-        if host.scored == 0:
-            skip_reason = "no_loss_tokens"
-        else:
-            grad_norm = host.grad_norm
-            loss = host.loss_sum / host.scored
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                if cfg.train.on_nonfinite == "stop":
-                    raise FloatingPointError(
-                        f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at step {self.step + 1}; "
-                        "set train.on_nonfinite=skip to skip such steps, or lower optim.lr"
-                    )
-                skip_reason = "nonfinite"
-                self._count_nonfinite_in_a_row()
-            else:
-                self.nonfinite_in_a_row = 0
+        loss, grad_norm, skip_reason = self._judge(host)
         if host.applied != (skip_reason is None):  # the device's rule and the host's must agree
             raise RuntimeError(
                 f"step {self.step + 1}: the device {'applied' if host.applied else 'skipped'} "
@@ -298,21 +292,41 @@ class DrafterTrainer:
             record.update(selector_metrics(host.selector, host.count, host.scored))
         record.update(extra or {})
         self.totals = StepTotals()
+        if skip_reason == "nonfinite":
+            self._stop_if_nonfinite_ends_the_job(record)
         return record
 
-    def _count_nonfinite_in_a_row(self) -> None:
-        """With train.on_nonfinite=skip, stop once so many steps in a row were skipped that the run
-        no longer trains (a broken kernel, data or target): skipping them forever would finish the
-        job, and export its drafter, as if it had trained."""
+    def _judge(self, host: HostTotals) -> tuple[float | None, float, str | None]:
+        """The step's loss, gradient norm and skip reason (None: the update applied)."""
+        if host.scored == 0:
+            return None, 0.0, "no_loss_tokens"
+        loss, grad_norm = host.loss_sum / host.scored, host.grad_norm
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.nonfinite_in_a_row = 0
+            return loss, grad_norm, None
         self.nonfinite_in_a_row += 1
-        limit = self.cfg.train.max_nonfinite_in_a_row
-        if limit and self.nonfinite_in_a_row >= limit:
-            raise FloatingPointError(
-                f"steps {self.step + 2 - self.nonfinite_in_a_row} to {self.step + 1}: {self.nonfinite_in_a_row} "
-                "steps in a row had a non-finite loss or gradient norm and were skipped "
-                "(train.on_nonfinite=skip), so the drafter is not training. Check the data, the target's "
-                "hidden states and optim.lr; train.max_nonfinite_in_a_row sets how many are tolerated "
-                "(0: no limit)."
+        return loss, grad_norm, "nonfinite"
+
+    def _stop_if_nonfinite_ends_the_job(self, record: dict) -> None:
+        """Raise NonFiniteStep (carrying the step's record) with train.on_nonfinite=stop, or with
+        skip once so many steps in a row were skipped that the run no longer trains (a broken
+        kernel, data or target): skipping them forever would finish the job, and export its
+        drafter, as if it had trained."""
+        limit, in_a_row = self.cfg.train.max_nonfinite_in_a_row, self.nonfinite_in_a_row
+        record = record | {"stopped_the_job": True}
+        if self.cfg.train.on_nonfinite == "stop":
+            raise NonFiniteStep(
+                f"non-finite loss ({record['loss']}) or gradient norm ({record['grad_norm']}) at step "
+                f"{self.step}; set train.on_nonfinite=skip to skip such steps, or lower optim.lr",
+                record,
+            )
+        if limit and in_a_row >= limit:
+            raise NonFiniteStep(
+                f"steps {self.step + 1 - in_a_row} to {self.step}: {in_a_row} steps in a row had a "
+                "non-finite loss or gradient norm and were skipped (train.on_nonfinite=skip), so the "
+                "drafter is not training. Check the data, the target's hidden states and optim.lr; "
+                "train.max_nonfinite_in_a_row sets how many are tolerated (0: no limit).",
+                record,
             )
 
     def full_precision_weights(self) -> AbstractContextManager:
