@@ -104,7 +104,8 @@ def edge_starts(anchors: Tensor, block_size: int, seed: int) -> Tensor:
     for b in range(anchors.shape[0]):
         for first in range(0, anchors.shape[1], per_tile):
             chunk = anchors[b, first : first + per_tile]
-            edges = torch.tensor(edge_values(int(chunk.min()) + 1))
+            valid = chunk[chunk > 0]  # not the invalid slots' anchor 0 (their start is 0 below)
+            edges = torch.tensor(edge_values(int(valid.min()) + 1 if len(valid) else 1))
             low, high = edges[torch.randint(len(edges), (2,), generator=generator)].sort().values.tolist()
             picked = torch.randint(low, high + 1, chunk.shape, generator=generator)
             picked[0], picked[-1] = low, high

@@ -74,15 +74,30 @@ def check_flash_supported(device: torch.device) -> None:
         raise ValueError(f"train.attention=flash: {reason}")
 
 
+def query_block(q_idx, block_size):
+    """The block n = q // Bs a query belongs to (whose anchor and start the rule reads)."""
+    return q_idx // block_size
+
+
+def mask_rule(q_idx, kv_idx, anchor, start, context_len, block_size, zero):
+    """Whether query `q_idx` attends key `kv_idx`: the DFlash rule in integer arithmetic only, the
+    one FA4's kernels run (`cute_mask_rule` calls it on CuTe SSA values while tracing) and the CPU
+    tests evaluate on plain integers.
+
+    Keys are [context 0..S-1 ; block tokens] (S = `context_len`). Query q of block
+    n = query_block(q) sees context key j iff start <= j < anchor (block n's: the anchor, and where a
+    packed row's document begins, else 0), and key S + t iff t lies in its own block:
+    0 <= t - n * Bs < Bs (a range test, so no division of negative numbers). Operators only (no
+    `and`, `if`): they are what a traced SSA value supports. `zero` is 0 in the callers' type.
+    """
+    in_block = kv_idx - context_len - query_block(q_idx, block_size) * block_size
+    return ((kv_idx < anchor) & (kv_idx >= start)) | ((in_block >= zero) & (in_block < block_size))
+
+
 @functools.cache
 def cute_mask_rule(block_size: int) -> Callable:
-    """The DFlash mask as a CuTe DSL mask_mod, compiled into FA4's kernels (block size fixed).
-
-    Keys are [context 0..S-1 ; block tokens]; S = seqlen_k - seqlen_q. Query q of block
-    n = q // Bs sees context key j iff starts[b, n] <= j < anchors[b, n] (starts: where a packed
-    row's document begins, else 0), and key S + t iff t lies in its own block:
-    0 <= t - n * Bs < Bs (a range test, so no division of negative numbers).
-    """
+    """`mask_rule` as a CuTe DSL mask_mod, compiled into FA4's kernels (block size fixed): it reads
+    block n's anchor and start from the two aux tensors (int32 [B, A])."""
     import cutlass
     import cutlass.cute as cute
     from flash_attn.cute import utils
@@ -91,13 +106,12 @@ def cute_mask_rule(block_size: int) -> Callable:
     def dflash_mask(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
         anchors, starts = aux_tensors[0], aux_tensors[1]
         size = utils.scalar_to_ssa(block_size, cutlass.Int32)
-        block = q_idx // size
+        block = query_block(q_idx, size)
         anchor = utils.scalar_to_ssa(anchors[batch[0], block[0]], cutlass.Int32)
         start = utils.scalar_to_ssa(starts[batch[0], block[0]], cutlass.Int32)
         context_len = utils.scalar_to_ssa(seqlen_info.seqlen_k - seqlen_info.seqlen_q, cutlass.Int32)
-        in_block = kv_idx - context_len - block * size
         zero = utils.scalar_to_ssa(0, cutlass.Int32)
-        return ((kv_idx < anchor) & (kv_idx >= start)) | ((in_block >= zero) & (in_block < size))
+        return mask_rule(q_idx, kv_idx, anchor, start, context_len, size, zero)
 
     return dflash_mask
 
