@@ -16,7 +16,7 @@ from dflash_mp.config.schema import compose_config
 from dflash_mp.launch import outcome
 from dflash_mp.launch.sweep import resume_if_preempted
 from tests.conftest import REPO, job_env, read_metrics
-from tests.test_faults import FAST, last_lines
+from tests.test_faults import FAST, ONE_EACH, last_lines
 
 
 def _free_port() -> int:
@@ -26,34 +26,103 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_a_sweep_runs_each_job_as_its_own_torchrun_job_past_a_failed_point(tmp_path):
-    """Point 1 fails its preflight; point 2 still runs, and the summary lists every point."""
+def test_a_sweep_runs_each_point_in_its_own_directory_under_run_dir_past_a_failed_point(tmp_path):
+    """A given run_dir is the sweep's parent: each point its own torchrun job in <n>_<swept
+    overrides>/ under it; point 1 fails its preflight, point 2 still runs; the summary beside the
+    points lists every point with its final loss."""
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash_mp.train", "-m", "optim.lr=1e-4,-1,6e-4", "train.max_steps=2"]
-        + ["topology.targets=1", "topology.drafters=1", *FAST],
+        [sys.executable, "-m", "dflash_mp.train", "-m", "optim.lr=1e-4,-1,6e-4", f"run_dir={sweep}"]
+        + ["train.max_steps=2", *ONE_EACH, *FAST],
         cwd=REPO,
-        env=job_env() | {"DFLASH_SWEEP_DIR": str(sweep)},
+        env=job_env(),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == outcome.EXIT_FAILED, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = {
+        num: sweep / name
+        for num, name in ((0, "0_optim.lr-0.0001"), (1, "1_optim.lr--1"), (2, "2_optim.lr-0.0006"))
+    }
     job_ids = set()
     for num, lr in ((0, "0.0001"), (2, "0.0006")):
-        run = sweep / str(num)
-        assert f"lr: {lr}" in (run / "config.yaml").read_text()
-        assert [r["step"] for r in read_metrics(run)] == [1, 2]
-        assert "job succeeded: exit code 0" in last_lines(run, 1)
-        job_ids.add(outcome.read_job_state(run)["job_id"])
+        assert f"lr: {lr}" in (runs[num] / "config.yaml").read_text()
+        assert [r["step"] for r in read_metrics(runs[num])] == [1, 2]
+        assert "job succeeded: exit code 0" in last_lines(runs[num], 1)
+        job_ids.add(outcome.read_job_state(runs[num])["job_id"])
     assert len(job_ids) == 2
-    assert outcome.read_job_state(sweep / "1")["exit_code"] == outcome.EXIT_PREFLIGHT
+    assert outcome.read_job_state(runs[1])["exit_code"] == outcome.EXIT_PREFLIGHT
+    assert sorted(p.name for p in sweep.iterdir()) == sorted(
+        [*(r.name for r in runs.values()), "multirun.yaml", "points", "summary.txt"]
+    )
     summary = (sweep / "summary.txt").read_text()
     assert summary in proc.stdout and "1 of 3 point(s) failed" in summary
     rows = {line.split()[0]: line.split() for line in summary.splitlines()[2:]}
-    assert rows["0"][1:4] == ["succeeded", "0", str(sweep / "0")] and "optim.lr=0.0001" in rows["0"]
-    assert rows["1"][1:4] == ["not-started", "2", str(sweep / "1")] and "optim.lr=-1" in rows["1"]
-    assert rows["2"][1:4] == ["succeeded", "0", str(sweep / "2")]
+    losses = {num: f"{read_metrics(runs[num])[-1]['loss']:.4f}" for num in (0, 2)}
+    assert (
+        rows["0"][1:6] == ["succeeded", "0", losses[0], "-", str(runs[0])] and "optim.lr=0.0001" in rows["0"]
+    )
+    assert rows["1"][1:6] == ["not-started", "2", "-", "-", str(runs[1])] and "optim.lr=-1" in rows["1"]
+    assert rows["2"][1:6] == ["succeeded", "0", losses[2], "-", str(runs[2])]
+
+
+def test_a_sweep_whose_point_cannot_start_is_refused_before_any_point_starts(tmp_path):
+    """Point 1's directory holds an earlier run: refused (exit 2) by the single-run rules, naming
+    the point, before point 0 starts; swept run_dir and a run_dir holding a run are refused too."""
+    sweep = tmp_path / "sweep"
+    (sweep / "1_optim.lr-0.003").mkdir(parents=True)
+    (sweep / "1_optim.lr-0.003" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    command = [sys.executable, "-m", "dflash_mp.train", "-m", "optim.lr=1e-3,3e-3", f"run_dir={sweep}"]
+    proc = subprocess.run(command, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == outcome.EXIT_PREFLIGHT, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "sweep refused, no point was started" in proc.stderr
+    assert (
+        f"point 1: run_dir={sweep / '1_optim.lr-0.003'} holds an earlier run (metrics.jsonl)" in proc.stderr
+    )
+    assert "train.resume=true" in proc.stderr and "point 0" not in proc.stderr
+    assert sorted(p.name for p in sweep.iterdir()) == ["1_optim.lr-0.003"]  # nothing else was made
+
+
+def test_the_up_front_check_takes_resume_overwrite_and_the_parent_into_account(tmp_path):
+    from dflash_mp.launch.sweep_points import point_name, point_problem, sweep_problems
+
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    cfg = compose_config([])
+    assert "holds an earlier run" in point_problem(used, ["optim.lr=0.1"], cfg)
+    assert point_problem(used, ["optim.lr=0.1", "train.resume=true"], cfg) is None
+    assert point_problem(used, ["train.overwrite=true"], cfg) is None
+    (used / "PREEMPTED").write_text("{}")  # a requeued point resumes
+    assert point_problem(used, [], cfg) is None
+    assert point_problem(tmp_path / "new", [], cfg) is None
+    # The sweep's run_dir itself holding a run: refused, whatever its points.
+    problems = sweep_problems(cfg, used, ["optim.lr"])
+    assert len(problems) == 1 and f"run_dir={used} holds a run (metrics.jsonl)" in problems[0]
+    # Names: index and swept overrides, what a path and a Hydra override read unquoted.
+    overrides = ["optim.lr=0.001", "model.target_path=/m/Qwen3 8B", "train.max_steps=2", "+x.y=[1,2]"]
+    assert point_name(3, overrides, ["optim.lr", "model.target_path", "x.y"]) == (
+        "3_optim.lr-0.001_model.target_path-_m_Qwen3_8B_x.y-_1_2_"
+    )
+    assert point_name(0, overrides, []) == "0" and len(point_name(1, ["a=" + "x" * 300], ["a"])) == 100
+
+
+def test_the_summary_has_each_points_final_loss_and_last_tau(tmp_path):
+    from dflash_mp.launch.sweep import read_points, record_point, summary_table
+
+    run = tmp_path / "0_optim.lr-0.001"
+    run.mkdir()
+    lines = [{"step": 1, "loss": 3.0, "tau": 1.5}, {"step": 2, "loss": 2.5}, {"step": 3, "loss": None}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 4, "lo')
+    record_point(tmp_path, 0, ["optim.lr=0.001"], 0, run)
+    record_point(tmp_path, 1, ["optim.lr=-1"], 2, tmp_path / "1_optim.lr--1")
+    records = read_points(tmp_path)
+    assert (records[0]["final_loss"], records[0]["last_tau"], records[0]["last_step"]) == (2.5, 1.5, 2)
+    rows = [line.split() for line in summary_table(records).splitlines()]
+    assert rows[0][:5] == ["point", "outcome", "exit", "loss", "tau"]
+    assert rows[1][:5] == ["0", "succeeded", "0", "2.5000", "1.50"]
+    assert rows[2][:5] == ["1", "not-started", "2", "-", "-"]
 
 
 # srun on two nodes runs its task once per node: here twice on this machine, each a torchrun agent

@@ -211,8 +211,8 @@ def family_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subpro
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_family_trains_exports_and_loads_in_the_reference(name: str, family_sweep) -> None:
     sweep, job = family_sweep
-    run = sweep / str(list(FAMILIES).index(name))
     point = json.loads((sweep / "points" / f"{list(FAMILIES).index(name)}.json").read_text())
+    run = Path(point["run_dir"])  # <n>_model.target_path-<the family's target>, under the sweep
     assert f"model.target_path={ensure_family_target(name)}" in point["overrides"]
     log = (run / "logs" / "job.log").read_text() if (run / "logs" / "job.log").exists() else ""
     assert point["outcome"] == "succeeded", log[-3000:] + job.stdout[-2000:] + job.stderr[-2000:]
