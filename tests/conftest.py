@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -30,12 +31,24 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
+def _triton_skip_reason(has_gpu: bool) -> str | None:
+    """Why a `triton` test cannot run its kernel here (None: it can)."""
+    if importlib.util.find_spec("triton") is None:
+        return "needs Triton (pip install -e '.[dev]')"
+    if not has_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        return "a Triton kernel: on CUDA, or on the CPU in tests/test_triton_interpreter.py's interpreter run"
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     has_gpu = _has_gpu()
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    triton_reason = _triton_skip_reason(has_gpu)
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
+        elif item.get_closest_marker("triton") and triton_reason is not None:
+            item.add_marker(pytest.mark.skip(reason=triton_reason))
     if not hasattr(config, "workerinput"):  # not an xdist worker
         return  # one process: the files' own order (GPU tests share compile caches across files)
     # Files with the most end-to-end jobs first: xdist hands out whole files (--dist loadfile,

@@ -1,8 +1,7 @@
-"""The fused CE passes against `_ce_and_grad`, the expressions they replace."""
+"""The fused CE passes against `_ce_and_grad`, the expressions they replace (on CUDA, or on the CPU
+under Triton's interpreter: tests/test_triton_interpreter.py)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -10,12 +9,7 @@ import torch
 from dflash_mp.kernels import fused_ce
 from dflash_mp.objective.block_diffusion import _ce_and_grad
 
-# The kernels run on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    fused_ce.triton is None or (DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
-    reason="needs Triton on CUDA, or TRITON_INTERPRET=1",
-)
 
 
 def _chunk(rows: int, vocab: int, dtype: torch.dtype, seed: int = 0):
@@ -31,6 +25,7 @@ def _chunk(rows: int, vocab: int, dtype: torch.dtype, seed: int = 0):
     return logits.to(DEVICE), labels.to(DEVICE), scale.to(DEVICE)
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("multiplier", "softcap"), [(1.0, None), (0.25, 30.0)])
 def test_loss_gradient_and_argmax_equal_the_expressions(dtype, multiplier, softcap) -> None:
@@ -50,6 +45,7 @@ def test_loss_gradient_and_argmax_equal_the_expressions(dtype, multiplier, softc
     assert not fused_grad[1].any()  # zero scale, zero gradient
 
 
+@pytest.mark.triton
 def test_a_non_finite_logit_makes_the_loss_non_finite() -> None:
     # The trainer skips a step whose loss is not finite: the pass must not hide a NaN.
     logits, labels, scale = _chunk(3, 5000, torch.bfloat16, seed=1)

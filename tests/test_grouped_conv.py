@@ -66,6 +66,22 @@ def test_only_the_gradients_asked_for_are_computed() -> None:
     assert grad_projection.shape == projection.shape and grad_projection.abs().sum() > 0
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize(
+    ("batch", "length", "hidden", "taps", "group"), [(1, 37, 64, 2, 16), (2, 20, 96, 4, 32)]
+)
+def test_the_triton_kernel_gradients_equal_the_tensor_ops(batch, length, hidden, taps, group) -> None:
+    """The kernel's d dynamic and d base on small shapes (also on the CPU under Triton's interpreter)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator().manual_seed(taps)
+    values, grad_out = (torch.randn(batch, length, hidden, generator=generator).to(device) for _ in range(2))
+    position = torch.arange(length, device=device) % 5
+    want = grouped_conv._kernel_grads(grad_out, values, position, taps, group)
+    have = grouped_conv._triton_kernel_grads(grad_out, values, position, taps, group)
+    for name, a, b in zip(("dynamic", "base"), have, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"d {n}: {m}")
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("batch,length,hidden,taps,group,block", [*SHAPES, (1, 4096, 4096, 2, 16, 16)])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -11,12 +10,8 @@ import torch
 from dflash_mp.training import streaming_adamw
 from dflash_mp.training.streaming_adamw import StreamingAdamW
 
-# The Triton pass runs on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
+# The Triton pass runs on CUDA, or on the CPU under Triton's interpreter (tests/test_triton_interpreter.py).
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_kernel = pytest.mark.skipif(
-    streaming_adamw.triton is None or (KERNEL_DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1"),
-    reason="needs Triton on CUDA, or TRITON_INTERPRET=1",
-)
 HYPER = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -104,7 +99,7 @@ def test_a_fused_adamw_checkpoint_loads_and_continues() -> None:
     assert float(optimizer.state[ours[0]]["step"]) == 2
 
 
-@needs_kernel
+@pytest.mark.triton
 def test_the_triton_pass_is_adamw_in_float64_to_float32_rounding() -> None:
     params, grads = _problem(KERNEL_DEVICE, seed=2)
     exact = [p.double() for p in params]
@@ -155,7 +150,7 @@ def test_the_triton_pass_is_adamw_in_float64_to_float32_rounding() -> None:
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 
-@needs_kernel
+@pytest.mark.triton
 def test_with_working_copies_the_pass_reads_bf16_gradients_and_writes_the_copies() -> None:
     # Against the same pass on the widened gradients: the masters bit for bit, the copies their rounding.
     params, grads = _problem(KERNEL_DEVICE, seed=5)

@@ -36,3 +36,13 @@ def test_the_triton_group_maxima_equal_torch_amax(dtype: torch.dtype) -> None:
     assert torch.equal(_triton_group_maxima(logits, 128), expected)
     ids = top_k_ids(logits, 16)
     assert torch.equal(logits.gather(-1, ids), logits.topk(16, dim=-1).values)
+
+
+@pytest.mark.triton
+def test_the_triton_group_maxima_of_a_few_rows_equal_torch_amax() -> None:
+    """The kernel on a few rows (also on the CPU under Triton's interpreter)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    wide = torch.randn(5, 128 * 9 + 200, generator=torch.Generator().manual_seed(1)).to(device)
+    logits = wide[:, : 128 * 9 + 37]  # a row stride wider than the row, an incomplete last group
+    expected = logits[:, : 128 * 9].unflatten(-1, (9, 128)).amax(-1)
+    assert torch.equal(_triton_group_maxima(logits, 128), expected)

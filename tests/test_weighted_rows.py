@@ -34,6 +34,15 @@ def test_cpu_sum_equals_the_gather_and_keeps_the_table_dtype() -> None:
     torch.testing.assert_close(got, _gathered(table, ids, weights), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.triton
+def test_the_triton_sum_of_a_few_rows_equals_the_gather() -> None:
+    """The kernel on small shapes (also on the CPU under Triton's interpreter)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    table, ids, weights = _inputs(513, 300, 9, 5, torch.float32, device)
+    got = weighted_rows._triton_weighted_row_sum(table, ids, weights)
+    torch.testing.assert_close(got, _gathered(table, ids, weights), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize(
