@@ -71,11 +71,6 @@ def test_doctor_refuses_a_config_json_that_is_no_model_config(tmp_path, capsys, 
     assert line.split()[1] == "config" and expected in line, line
 
 
-def test_doctor_passes_the_untouched_copy(tmp_path, capsys) -> None:
-    target = shutil.copytree(target_dir(), tmp_path / "target")
-    assert launch_main(["doctor", *custom_job(target, tmp_path / "run")]) == 0, capsys.readouterr().out
-
-
 @pytest.mark.slow
 def test_the_launcher_refuses_a_truncated_config_json_with_an_outcome_line(tmp_path) -> None:
     target, expected = broken_target(tmp_path, "truncated")
