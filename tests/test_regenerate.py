@@ -164,10 +164,17 @@ def test_under_torchrun(target: Path, data: Path, tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(_read(out)) == len(RECORDS)
-    assert sorted(p.name for p in (tmp_path / "out.jsonl.parts").iterdir()) == [
+    parts = tmp_path / "out.jsonl.parts"
+    assert sorted(p.name for p in parts.iterdir()) == [
         "part-00000.jsonl",
         "part-00001.jsonl",
+        "settings.json",
     ]
+    made = json.loads((parts / "settings.json").read_text())
+    assert (made["max_length"], made["max_new_tokens"], made["on_length"]) == (128, NEW_TOKENS, "keep")
+    # Each rank's progress: records 0, 2, 4 on rank 0 and 1, 3 on rank 1.
+    assert "rank 0: 3 of 3 records written; done in" in proc.stderr
+    assert "rank 1: 2 of 2 records written; done in" in proc.stderr
 
 
 # ----------------------------------------------------------------------------------------- bad input

@@ -1,9 +1,11 @@
-"""Answers cut at their token budget: dropped (default), kept or fatal; the finished-fraction floor;
-top-p/top-k; the warning for greedy thinking."""
+"""Answers cut at their token budget: dropped (default), kept or fatal; the finished-fraction floor
+and an output without a record; parts made with other settings; --max-length's default; progress;
+--help's defaults; top-p/top-k; the warning for greedy thinking."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,8 @@ from dflash_mp.embedded import embedded_path
 from dflash_mp.regenerate import RegenerateError, Settings, main, read_parts, regenerate
 from dflash_mp.regenerate import local as regen
 from dflash_mp.regenerate.finish import TOO_FEW_FINISHED_EXIT_CODE, TooFewFinished, thinking_sampling_warning
+from dflash_mp.regenerate.parts import check_made_with, made_with, record_made_with
+from dflash_mp.regenerate.progress import Progress
 from dflash_mp.regenerate.served import Reply, _RecordAnswerer
 
 RECORDS = [
@@ -103,6 +107,103 @@ def test_too_few_finished_answers_fail_without_writing_the_output(scripted, data
     assert main([*args, "--output", str(tmp_path / "b.jsonl"), "--min-finished-fraction", "0.9"]) == (
         TOO_FEW_FINISHED_EXIT_CODE
     )
+
+
+def test_a_rerun_with_other_settings_is_refused_naming_them(scripted, data: Path, tmp_path, capsys) -> None:
+    """The parts of a run that exited 4 under --on-length drop hold no cut answer: a rerun with keep
+    merging them would write what neither setting asks for. Other settings are refused by name."""
+    out = tmp_path / "out.jsonl"
+    args = ["--input", str(data), "--output", str(out), "--target", "embedded", "--max-new-tokens", "6"]
+    args += ["--max-length", "128", "--min-finished-fraction", "0.7"]
+    assert main(args) == TOO_FEW_FINISHED_EXIT_CODE
+    capsys.readouterr()
+    assert main([*args, "--on-length", "keep", "--min-finished-fraction", "0"]) == 2
+    assert (
+        f"{out}.parts holds answers made with other settings: --on-length drop (now keep)."
+        in capsys.readouterr().err
+    )
+    assert main([*args, "--max-new-tokens", "8", "--temperature", "0.5", "--thinking", "off"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens 6 (now 8), --temperature 0.0 (now 0.5)" in err
+    assert '--chat-template-kwargs (--thinking) {} (now {"enable_thinking": false})' in err
+    assert "or regenerate with these into a new --work-dir" in err and not out.exists()
+    assert main([*args, "--min-finished-fraction", "0.5"]) == 0  # the floor makes no answer: merged
+
+
+def test_parts_of_another_target_server_or_model_are_refused(tmp_path: Path) -> None:
+    served = made_with(_settings(), server="http://a:8000", model="m1", target="")
+    record_made_with(tmp_path, served)
+    check_made_with(
+        tmp_path, made_with(_settings(), server="http://a:8000", target="")
+    )  # model not asked yet
+    other = made_with(_settings(), server="http://b:8000", model="m2", target="/t")
+    with pytest.raises(
+        RegenerateError,
+        match=r"--server http://a:8000 \(now http://b:8000\), --model m1 \(now m2\), --target unset \(now /t\)",
+    ):
+        check_made_with(tmp_path, other)
+    with pytest.raises(RegenerateError, match=r"--server http://a:8000 \(now http://b:8000\)"):
+        record_made_with(tmp_path, other)  # a rank refused before it writes
+    assert json.loads((tmp_path / "settings.json").read_text())["server"] == "http://a:8000"
+
+
+def test_a_merge_with_no_record_to_write_fails_instead_of_writing_an_empty_file(
+    scripted, tmp_path, capsys
+) -> None:
+    data = tmp_path / "cut.jsonl"
+    data.write_text("".join(json.dumps({"messages": RECORDS[3]}) + "\n" for _ in range(2)))
+    out = tmp_path / "out.jsonl"
+    args = ["--input", str(data), "--output", str(out), "--target", "embedded", "--max-new-tokens", "6"]
+    assert main([*args, "--max-length", "128", "--min-finished-fraction", "0"]) == TOO_FEW_FINISHED_EXIT_CODE
+    err = capsys.readouterr().err
+    assert f"no record left to write to {out}: 2 record(s) lost every answer, cut at its token budget" in err
+    assert not out.exists()
+
+
+def test_max_length_defaults_to_the_targets_context_and_names_the_value_that_fits(
+    scripted, data: Path, tmp_path, capsys, caplog
+) -> None:
+    """The embedded target has 512 positions: the default fits it (3072 was refused), and a value
+    beyond it is refused before the model loads, naming 512. Progress comes as log lines."""
+    out = tmp_path / "out.jsonl"
+    args = ["--input", str(data), "--output", str(out), "--target", "embedded", "--max-new-tokens", "6"]
+    assert main([*args, "--max-length", "3072"]) == 2
+    assert "--max-length 3072 exceeds the target's context of 512 positions" in capsys.readouterr().err
+    with caplog.at_level(logging.INFO, logger="dflash_mp.regenerate"):
+        assert main([*args, "--min-finished-fraction", "0"]) == 0
+    assert json.loads((tmp_path / "out.jsonl.parts" / "settings.json").read_text())["max_length"] == 512
+    assert "rank 0: 5 of 5 records written; done in" in caplog.text
+
+
+def test_progress_lines_give_the_rate_and_an_eta(caplog) -> None:
+    now = [0.0]
+    progress = Progress(100, rank=1, every_s=30, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="dflash_mp.regenerate"):
+        for at, written, failed in ((10, 10, 0), (20, 10, 0), (40, 15, 5), (100, 60, 0)):
+            now[0] = at
+            progress.advance(written, failed)
+    assert [r.getMessage() for r in caplog.records] == [
+        "rank 1: 10 of 100 records written, 1.00 records/s, ETA 1m30s",  # the first estimate at once
+        "rank 1: 35 of 100 records written, 5 failed, 1.00 records/s, ETA 1m00s",  # 30 s after it
+        "rank 1: 95 of 100 records written, 5 failed; done in 1m40s (1.00 records/s)",
+    ]
+
+
+def test_help_shows_the_defaults(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    for text in (
+        "longest response in tokens (default: 2048)",
+        "0: greedy; > 0: sampling (default: 0.0)",
+        "keep it, or stop (exit 2) (default: drop)",
+        "OUTPUT is not written (exit 4) (default: 0.5)",
+        "records generated together per rank (default: 16)",
+        "requests in flight at most (default: 8)",
+        "default: the target's max_position_embeddings, at most 3072",
+    ):
+        assert text in shown, text
 
 
 def test_top_p_and_top_k_reach_the_sampler_and_the_server() -> None:

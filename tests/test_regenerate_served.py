@@ -192,8 +192,12 @@ def test_a_request_the_server_refuses_is_a_bad_record(servers: Servers, tmp_path
     with pytest.raises(RegenerateError, match=r"long.jsonl:1: the server refused turn 1: HTTP 400 .*context"):
         regenerate_served([data], tmp_path / "a.jsonl", _server_settings(servers.plain.url), settings)
     skip = _settings(max_new_tokens=300, on_bad_record="skip")
-    summary = regenerate_served([data], tmp_path / "b.jsonl", _server_settings(servers.plain.url), skip)
-    assert summary is not None and summary["records"] == 0 and sum(summary["skipped"].values()) == 1
+    # Skipped, it leaves no record to write: OUTPUT is not written, never an empty file.
+    with pytest.raises(
+        RegenerateError, match=r"no record left .*every record was skipped \(1 x the server refused"
+    ):
+        regenerate_served([data], tmp_path / "b.jsonl", _server_settings(servers.plain.url), skip)
+    assert not (tmp_path / "b.jsonl").exists()
 
 
 @pytest.mark.slow

@@ -11,19 +11,29 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash_mp.regenerate.records import RegenerateError, Settings
+from dflash_mp.regenerate.records import DEFAULT_MAX_LENGTH, RegenerateError, Settings, max_length_problem
 
 log = logging.getLogger("dflash_mp.regenerate")
 EMBEDDED = "embedded"
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written; each option's help ends with its default, unless it names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        # By identity: a default of 0 or 0.0 is shown (`0 in (False,)` holds).
+        unset = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if "default" in text or not action.option_strings or unset:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def _parser() -> argparse.ArgumentParser:
     import dflash_mp.regenerate as package
 
     parser = argparse.ArgumentParser(
-        prog="python -m dflash_mp.regenerate",
-        description=package.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m dflash_mp.regenerate", description=package.__doc__, formatter_class=_HelpFormatter
     )
     parser.add_argument(
         "--input",
@@ -39,10 +49,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--work-dir", type=Path, help="per-rank parts (default: OUTPUT.parts)")
     parser.add_argument(
-        "--max-length", type=int, default=3072, help="longest record in tokens (data.max_length)"
+        "--max-length",
+        type=int,
+        help="longest record in tokens (data.max_length); default: the target's max_position_embeddings, "
+        f"at most {DEFAULT_MAX_LENGTH} ({DEFAULT_MAX_LENGTH} with --server and no --target)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=2048, help="longest response in tokens")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument(
         "--top-p", type=float, help="nucleus sampling, e.g. 0.95 (default: the server's; locally none)"
@@ -55,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         default="drop",
         choices=("drop", "keep", "fail"),
         help="an answer cut at its token budget, without its end of turn: drop it (the record ends "
-        "after its last finished answer; default), keep it, or stop (exit 2)",
+        "after its last finished answer), keep it, or stop (exit 2)",
     )
     parser.add_argument(
         "--min-finished-fraction",
@@ -158,6 +171,30 @@ def _target(name: str | None, required: bool) -> Path | None:
     return Path(name)
 
 
+def _max_length(requested: int | None, target: Path | None) -> int:
+    """--max-length, or its default: the target's context, at most DEFAULT_MAX_LENGTH. A value beyond
+    the context is refused here, before a model loads, naming the value that fits."""
+    context = _context(target) if target is not None else None
+    if requested is None:
+        return DEFAULT_MAX_LENGTH if context is None else min(context, DEFAULT_MAX_LENGTH)
+    if context is not None and requested > context:
+        raise RegenerateError(max_length_problem(requested, context, target / "config.json"))
+    return requested
+
+
+def _context(target: Path) -> int | None:
+    """The target's max_position_embeddings; None where its directory does not say (a tokenizer only)."""
+    from dflash_mp.config.schema import TargetConfigError, read_target_config
+
+    if not (target / "config.json").is_file():
+        return None
+    try:
+        context = read_target_config(str(target)).get("max_position_embeddings")
+    except TargetConfigError as e:
+        raise RegenerateError(f"--target: {e}") from None
+    return context if type(context) is int and context > 0 else None
+
+
 def _warn_greedy_thinking(settings: Settings, target: Path | None) -> None:
     from dflash_mp.regenerate.finish import thinking_sampling_warning
 
@@ -166,18 +203,9 @@ def _warn_greedy_thinking(settings: Settings, target: Path | None) -> None:
         log.warning(warning)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The regeneration the options ask for; RegenerateError or RecordsFailed on failure."""
-    from dflash_mp.regenerate.local import regenerate
-    from dflash_mp.regenerate.served import ServerSettings, regenerate_served
-    from dflash_mp.run import startup
-
-    if args.server is None:  # the local path's stack, imported before the collector resumes
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    startup.resume()
-    settings = Settings(
-        max_length=args.max_length,
+def _settings(args: argparse.Namespace, target: Path | None) -> Settings:
+    return Settings(
+        max_length=_max_length(args.max_length, target),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         seed=args.seed,
@@ -191,11 +219,25 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         on_length=args.on_length,
         min_finished_fraction=args.min_finished_fraction,
     )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The regeneration the options ask for; RegenerateError or RecordsFailed on failure."""
+    from dflash_mp.regenerate.local import regenerate
+    from dflash_mp.regenerate.served import ServerSettings, regenerate_served
+    from dflash_mp.run import startup
+
+    if args.server is None:  # the local path's stack, imported before the collector resumes
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    startup.resume()
+    target = _target(args.target, required=False)
+    settings = _settings(args, target)
     if settings.temperature == 0 and (settings.top_p is not None or settings.top_k is not None):
         log.warning("--top-p and --top-k have no effect at --temperature 0 (greedy)")
     common = dict(rank=args.rank, world_size=args.world_size, work_dir=args.work_dir, limit=args.limit)
     if args.server is None:
-        target = _target(args.target, required=True)
+        target = _target(args.target, required=True)  # after the settings: every bad option is named
         _warn_greedy_thinking(settings, target)
         return regenerate(
             args.input,
@@ -217,14 +259,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         api_key_env=args.api_key_env,
         on_failed_request=args.on_failed_request,
     )
-    tokenizer_path = _target(args.target, required=False)
-    _warn_greedy_thinking(settings, tokenizer_path)
+    _warn_greedy_thinking(settings, target)
     return regenerate_served(
         args.input,
         args.output,
         server,
         settings,
-        tokenizer_path=tokenizer_path,
+        tokenizer_path=target,
         trust_remote_code=args.trust_remote_code,
         **common,
     )

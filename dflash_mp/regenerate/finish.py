@@ -1,4 +1,5 @@
-"""Responses that did not finish: --on-length, the --min-finished-fraction floor, sampling advice.
+"""Responses that did not finish: --on-length, the --min-finished-fraction floor, an output
+without a record, sampling advice.
 
 A response cut at its token budget (finish_reason "length") has no end of turn, but the trainer
 renders every assistant turn with one: kept, the cut turn teaches the drafter to end a turn where
@@ -89,6 +90,27 @@ def check_finished(summary: dict[str, Any], min_fraction: float, output: Path) -
         "not written. Raise --max-new-tokens (and --max-length) and regenerate into a new --work-dir, "
         "sample as the target's card advises (--temperature/--top-p/--top-k), or pass "
         "--min-finished-fraction 0 to write it anyway (the same --work-dir then only merges)"
+    )
+
+
+def check_written(summary: dict[str, Any], output: Path) -> None:
+    """OUTPUT is never written without a record: TooFewFinished when every answer was cut and
+    dropped, RegenerateError when every record was skipped."""
+    if summary["records"] > 0:
+        return
+    skipped = summary["skipped"]
+    reasons = "; ".join(f"{n} x {reason}" for reason, n in skipped.items())
+    if summary["dropped_records"]:
+        raise TooFewFinished(
+            f"no record left to write to {output}: {summary['dropped_records']} record(s) lost every "
+            f"answer, cut at its token budget (--on-length drop)"
+            + (f", {sum(skipped.values())} skipped ({reasons})" if skipped else "")
+            + ". Raise --max-new-tokens (and --max-length) and regenerate into a new --work-dir, or "
+            "sample as the target's card advises (--temperature/--top-p/--top-k)"
+        )
+    raise RegenerateError(
+        f"no record left to write to {output}: "
+        + (f"every record was skipped ({reasons})" if skipped else "the input holds no record")
     )
 
 

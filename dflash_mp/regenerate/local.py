@@ -1,7 +1,7 @@
 """The local backend: the target loaded with transformers in this process, one process per GPU.
 
 Ranks split the records by index (--rank/--world-size, or torchrun's RANK/WORLD_SIZE; independent
-jobs such as a Slurm array work too) and write their parts for the shared merge (records.py).
+jobs such as a Slurm array work too) and write their parts for the shared merge (parts.py).
 Batches of records advance one assistant turn at a time, left-padded, through `generate`.
 """
 
@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash_mp.regenerate.finish import take_answer
+from dflash_mp.regenerate.parts import RecordJob, append_entries, made_with
+from dflash_mp.regenerate.progress import Progress
 from dflash_mp.regenerate.records import (
     Conversation,
-    RecordJob,
     RegenerateError,
     Settings,
-    append_entries,
+    max_length_problem,
     prompt_and_budget,
     split_reasoning,
     stable_seed,
@@ -168,17 +169,17 @@ def regenerate(
     from dflash_mp.data import load_tokenizer
     from dflash_mp.evaluation.acceptance import load_target_model, resolve_device, stop_token_ids
 
-    job = RecordJob(inputs, output, settings, rank, world_size, work_dir, limit)
+    made = made_with(settings, target=str(Path(target_path).resolve()))
+    job = RecordJob(inputs, output, settings, rank, world_size, work_dir, limit, made)
     if job.pending:
         torch_device, torch_dtype = resolve_device(device, dtype)
         tokenizer = load_tokenizer(target_path, trust_remote_code=trust_remote_code)
         model = load_target_model(target_path, torch_dtype, torch_device, trust_remote_code)
         context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if context is not None and settings.max_length > context:
-            raise RegenerateError(
-                f"--max-length {settings.max_length} exceeds the target's context of {context} positions"
-            )
+            raise RegenerateError(max_length_problem(settings.max_length, context, target_path))
         stops = stop_token_ids(tokenizer, model)
+        progress = Progress(len(job.pending), rank)
         with job.open_part() as part:
             for batch in _batches(job.pending, settings.batch_size):
                 items = [job.conversation(i) for i in batch]
@@ -186,4 +187,5 @@ def regenerate(
                 regenerate_batch(conversations, model, tokenizer, stops, settings)
                 entries = [c if isinstance(c, dict) else job.result(c, tokenizer) for c in items]
                 append_entries(part, entries)
+                progress.advance(len(entries))
     return job.merge()

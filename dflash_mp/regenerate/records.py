@@ -1,9 +1,6 @@
-"""What every backend shares: records in, regenerated records out, and the bookkeeping that resumes.
+"""What every backend shares: the settings, a record being regenerated, prompts and their budgets.
 
-Each rank (or independent job) appends its results to WORK_DIR/part-RRRRR.jsonl keyed by record
-index, one fsynced line per record or batch, so a killed run rerun with the same arguments skips
-what is written. Whoever finds every record done merges the parts into OUTPUT in record order,
-atomically; the parts stay for provenance.
+The part files, the rank's share of the records and the merge into OUTPUT are in parts.py.
 """
 
 from __future__ import annotations
@@ -11,14 +8,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
-from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 log = logging.getLogger("dflash_mp.regenerate")
+# --max-length without a target context to go by, and its cap: the presets' data.max_length.
+DEFAULT_MAX_LENGTH = 3072
 
 
 class RegenerateError(ValueError):
@@ -209,190 +204,15 @@ def template_tail(tokenizer: Any) -> int:
     return max(len(whole["input_ids"]) - len(prompt["input_ids"]), 0)
 
 
+def max_length_problem(max_length: int, context: int, target: object) -> str:
+    """Why --max-length does not fit the target, with the value that does."""
+    return (
+        f"--max-length {max_length} exceeds the target's context of {context} positions "
+        f"(max_position_embeddings of {target}): pass --max-length {context} or less, or leave it out "
+        f"(the default is the target's context, at most {DEFAULT_MAX_LENGTH})"
+    )
+
+
 def stable_seed(*parts: int) -> int:
     digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-# ----------------------------------------------------------------------------------------
-# parts: per-rank results keyed by record index
-
-
-def part_path(work_dir: Path, rank: int) -> Path:
-    return work_dir / f"part-{rank:05d}.jsonl"
-
-
-def read_parts(work_dir: Path) -> dict[int, dict[str, Any]]:
-    """Every result written so far, by record index; a line cut short by a kill is ignored."""
-    results: dict[int, dict[str, Any]] = {}
-    for path in sorted(work_dir.glob("part-*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                entry = json.loads(line)
-                results[int(entry["index"])] = entry
-            except (ValueError, KeyError, TypeError):
-                continue
-    return results
-
-
-def open_part(path: Path) -> IO[str]:
-    """A part file for appending, with any half-written last line (a kill) cut off."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
-        data = path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            with open(path, "r+b") as f:
-                f.truncate(data.rfind(b"\n") + 1)
-    return open(path, "a", encoding="utf-8")  # noqa: SIM115 - held open while the rank works
-
-
-def append_entries(part: IO[str], entries: Sequence[dict[str, Any]]) -> None:
-    """Whole lines, on disk before the next record starts: a kill loses at most the line being written."""
-    part.writelines(json.dumps(e) + "\n" for e in entries)
-    part.flush()
-    os.fsync(part.fileno())
-
-
-def merge(
-    work_dir: Path,
-    output: Path,
-    num_records: int,
-    left_out: Collection[int] = (),
-    min_finished_fraction: float = 0.0,
-) -> dict[str, Any] | None:
-    """Write OUTPUT from the parts if every record is done or `left_out` (None otherwise); returns
-    the summary. Raises TooFewFinished, writing nothing, when fewer responses than
-    `min_finished_fraction` ended by themselves.
-
-    Every merger writes the same bytes through its own temporary file and an atomic rename, so
-    two ranks finishing at once cannot leave a mixed file.
-    """
-    from dflash_mp.regenerate.finish import check_finished, summarize
-
-    results = read_parts(work_dir)
-    if any(i not in results and i not in left_out for i in range(num_records)):
-        return None
-    entries = [results[i] for i in range(num_records) if i in results]
-    kept = [e for e in entries if "messages" in e]
-    summary = summarize(entries)
-    check_finished(summary, min_finished_fraction, output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent)
-    os.chmod(tmp, 0o644)  # mkstemp's 0600 would make a shared data set private
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"messages": e["messages"]}) + "\n" for e in kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, output)
-    if left_out:
-        summary["failed"] = len(left_out)
-    return summary
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.strip().encode()).hexdigest()[:16]
-
-
-class RecordJob:
-    """One rank's share of the input records (index i with i % world == rank), less what a previous
-    run already wrote, and the writing of its results."""
-
-    def __init__(
-        self,
-        inputs: Sequence[str | Path],
-        output: str | Path,
-        settings: Settings,
-        rank: int = 0,
-        world_size: int = 1,
-        work_dir: str | Path | None = None,
-        limit: int | None = None,
-    ) -> None:
-        from dflash_mp.data import DataError, open_records
-
-        if not 0 <= rank < world_size:
-            raise RegenerateError(f"--rank {rank} must be in [0, --world-size {world_size})")
-        self.settings, self.rank = settings, rank
-        self.output = Path(output)
-        self.work_dir = (
-            Path(work_dir) if work_dir is not None else self.output.with_name(self.output.name + ".parts")
-        )
-        try:
-            self.index = open_records(list(inputs))
-        except DataError as e:
-            raise RegenerateError(str(e)) from None
-        self.num_records = len(self.index) if limit is None else min(limit, len(self.index))
-        done = read_parts(self.work_dir)
-        self._check_same_input(done)
-        self.pending = [i for i in range(rank, self.num_records, world_size) if i not in done]
-        self._digests: dict[int, str] = {}  # of the records being answered, for their entries
-        log.info(
-            "rank %d/%d: %d of %d records to regenerate",
-            rank,
-            world_size,
-            len(self.pending),
-            self.num_records,
-        )
-
-    def _check_same_input(self, done: dict[int, dict[str, Any]]) -> None:
-        """Resume only onto answers to the same records: an edited input would mix in stale ones."""
-        for i, entry in sorted(done.items()):
-            written = entry.get("input_sha256")  # absent from parts written by older versions
-            if written is not None and i < len(self.index) and written != _digest(self.index.read(i)[2]):
-                raise RegenerateError(
-                    f"{self.source(i)} is not the record {self.work_dir} holds an answer to (the input "
-                    "changed since); pass a new --work-dir, or remove that one, to regenerate this input"
-                )
-
-    def source(self, i: int) -> str:
-        path, line, _ = self.index.read(i)
-        return f"{path}:{line}"
-
-    def conversation(self, i: int) -> Conversation | dict[str, Any]:
-        """Record i ready to answer, or its skip entry when it cannot be (or the error, with fail)."""
-        path, line, text = self.index.read(i)
-        self._digests[i] = _digest(text)
-        try:
-            return parse_conversation(i, f"{path}:{line}", text)
-        except ValueError as e:
-            return self.bad(i, f"{path}:{line}", str(e))
-
-    def result(self, conversation: Conversation, tokenizer: Any | None) -> dict[str, Any]:
-        """The entry to write for an answered record; with a tokenizer, the record must also pass the
-        trainer's own tokenization (length, loss mask)."""
-        from jinja2 import TemplateError
-
-        from dflash_mp.data import tokenize_chat
-
-        if conversation.dropped_turns and not conversation.response_tokens:  # nothing left to keep
-            entry = {"index": conversation.index, "input_sha256": self._digests.pop(conversation.index)}
-            return {**entry, "dropped_turns": conversation.dropped_turns}
-        if conversation.problem is None and tokenizer is not None:
-            try:
-                tokenize_chat(tokenizer, conversation.done, self.settings.max_length)
-            except (ValueError, TemplateError) as e:  # a template's raise_exception() is a TemplateError
-                conversation.problem = str(e)
-        if conversation.problem is not None:
-            return self.bad(conversation.index, conversation.source, conversation.problem)
-        return {
-            "index": conversation.index,
-            "input_sha256": self._digests.pop(conversation.index),
-            "messages": conversation.done,
-            "response_tokens": conversation.response_tokens,
-            "finished": conversation.finished,
-            "same_tokens": conversation.same_tokens,
-            "dropped_turns": conversation.dropped_turns,
-        }
-
-    def bad(self, index: int, source: str, reason: str) -> dict[str, Any]:
-        if self.settings.on_bad_record == "fail":
-            raise RegenerateError(f"{source}: {reason} (pass --on-bad-record skip to skip such records)")
-        log.warning("skipping %s: %s", source, reason)
-        return {"index": index, "input_sha256": self._digests.pop(index), "skipped": reason}
-
-    def open_part(self) -> IO[str]:
-        return open_part(part_path(self.work_dir, self.rank))
-
-    def merge(self, left_out: Collection[int] = ()) -> dict[str, Any] | None:
-        return merge(
-            self.work_dir, self.output, self.num_records, left_out, self.settings.min_finished_fraction
-        )

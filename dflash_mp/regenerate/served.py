@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dflash_mp.regenerate.finish import take_answer
+from dflash_mp.regenerate.parts import RecordJob, append_entries, made_with
+from dflash_mp.regenerate.progress import Progress
 from dflash_mp.regenerate.records import (
     Conversation,
-    RecordJob,
     RegenerateError,
     Settings,
-    append_entries,
     prompt_and_budget,
     split_reasoning,
     stable_seed,
@@ -297,7 +297,9 @@ def regenerate_served(
     Raises RecordsFailed when records failed after their retries (with on_failed_request fail)."""
     if settings.round_trip_safe:
         raise RegenerateError("--round-trip-safe needs the local backend (it constrains the sampling itself)")
-    job = RecordJob(inputs, output, settings, rank, world_size, work_dir, limit)
+    tokenizer_source = str(Path(tokenizer_path).resolve()) if tokenizer_path is not None else ""
+    made = made_with(settings, server=server.url, model=server.model, target=tokenizer_source)
+    job = RecordJob(inputs, output, settings, rank, world_size, work_dir, limit, made)
     failed: dict[int, str] = {}
     if job.pending:
         tokenizer = None
@@ -307,6 +309,7 @@ def regenerate_served(
             tokenizer = load_tokenizer(tokenizer_path, trust_remote_code=trust_remote_code)
         client = ChatClient(server)
         model = choose_model(client, server.model)
+        job.made["model"] = model  # checked against the parts' when this rank opens its part
         log.info("asking %s at %s, %d requests at a time", model, server.url, server.concurrency)
         answer = _RecordAnswerer(client, model, settings, tokenizer)
         with job.open_part() as part:
@@ -337,7 +340,8 @@ def _answer_all(
     pending = iter(job.pending)
     running: dict[Future[str | None], Conversation] = {}
     failed: dict[int, str] = {}
-    failures_in_a_row, written, last_report, exhausted = 0, 0, time.monotonic(), False
+    failures_in_a_row, exhausted = 0, False
+    progress = Progress(len(job.pending), job.rank)
     with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="regenerate") as pool:
         try:
             while True:
@@ -350,6 +354,7 @@ def _answer_all(
                     item = job.conversation(i)
                     if isinstance(item, dict):
                         append_entries(part, [item])
+                        progress.advance(1)
                     else:
                         running[pool.submit(answer, item)] = item
                 if not running:
@@ -362,13 +367,11 @@ def _answer_all(
                         failed[conversation.index] = reason
                         failures_in_a_row += 1
                         log.warning("%s failed: %s", conversation.source, reason)
+                        progress.advance(0, failed=1)
                         continue
                     failures_in_a_row = 0
                     append_entries(part, [job.result(conversation, tokenizer)])
-                    written += 1
-                if time.monotonic() - last_report > 30:
-                    log.info("%d of %d records written, %d failed", written, len(job.pending), len(failed))
-                    last_report = time.monotonic()
+                    progress.advance(1)
         finally:
             for future in running:
                 future.cancel()  # on an error: the threads finish the requests they are in, no more
