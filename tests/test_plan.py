@@ -268,10 +268,33 @@ def test_bad_input_is_refused_naming_the_input_and_the_fix(
     with pytest.raises(PlanError, match="--gpu-memory-gb is needed"):
         plan_of("--gpus", "8", "--bench", str(on_cpu))
 
-    with pytest.raises(PlanError, match="--bench FILE is needed"):
-        plan_of("--gpus", "8")
     with pytest.raises(PlanError, match="--gpus 0: must be at least 1"):
         plan_of("--gpus", "0", "--bench", str(only_drafter))
+
+
+def test_without_bench_the_bundled_benchmark_is_used_and_named(tmp_path, capsys, monkeypatch) -> None:
+    """`--gpus 8 --target qwen3.5-9b` alone: the bundled benchmark (the Makefile's BENCH), named;
+    the suggested command launches the target's preset, or `custom` with its directory."""
+    from dflash_mp.plan import cli
+
+    assert main(["--gpus", "8", "--target", "qwen3.5-9b"]) == 0
+    text = capsys.readouterr().out
+    assert f"rates from {RESULTS / 'h200x2-qwen3-8b.json'} (the bundled benchmark, --bench's default" in text
+    assert "torchrun --nproc-per-node 8 -m dflash_mp.train experiment=qwen3.5-9b topology=" in text
+    assert main(["--gpus", "8", "--json"]) == 0  # the benchmark's own shape: its preset
+    result = json.loads(capsys.readouterr().out)
+    assert result["bench_is_default"] and result["experiment"] == "experiment=qwen3-8b"
+    assert "-m dflash_mp.train experiment=qwen3-8b topology=" in result["best"]["command"]
+    target = hf_target(tmp_path, LLAMA_70B)
+    assert main(["--gpus", "8", "--target", str(target / "config.json"), "--json"]) == 0
+    assert (
+        json.loads(capsys.readouterr().out)["experiment"] == f"experiment=custom model.target_path={target}"
+    )
+    monkeypatch.setattr(cli, "DEFAULT_BENCH", tmp_path / "not-in-this-checkout.json")
+    with pytest.raises(
+        PlanError, match="--bench FILE is needed .*not-in-this-checkout.json is not in this checkout"
+    ):
+        plan_of("--gpus", "8")
 
 
 def test_a_mixture_of_experts_config_without_its_model_type_is_refused_clearly() -> None:

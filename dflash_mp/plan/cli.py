@@ -6,7 +6,9 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
+from dflash_mp.config.schema import CONF_DIR
 from dflash_mp.plan import PlanError
 from dflash_mp.plan.costs import ModelShape, Workload, target_layer_params, target_layers_run, target_params
 from dflash_mp.plan.layouts import TP_WIDTHS, Candidate, Options, StageModel, candidates, stage_model
@@ -15,6 +17,8 @@ from dflash_mp.plan.targets import DEFAULT_FAMILIES, FamilyMatch, match_family, 
 
 # Without a benchmark JSON: the paper recipe (conf/experiment/paper.yaml, conf/model/qwen3-8b.yaml).
 PAPER_WORKLOAD = Workload(seq_len=3072, num_anchors=512, block_size=16, draft_layers=5, micro_batch=1)
+# The bundled benchmark (the Makefile's BENCH): Qwen3-8B's stage rates on H200, the plan's default.
+DEFAULT_BENCH = DEFAULT_FAMILIES.parent / "h200x2-qwen3-8b.json"
 # Two layouts closer than this are within the benchmark's run-to-run spread (BENCHMARKS.md: ~3-5%).
 SPREAD = 0.05
 
@@ -27,6 +31,8 @@ class Plan:
     shape: ModelShape
     workload: Workload
     bench: str | None
+    bench_is_default: bool  # --bench left out: the bundled benchmark
+    experiment: str  # experiment= (and model.target_path=) that launches this target
     stage: StageModel
     candidates: list[Candidate]
     left_out: list[str]
@@ -45,7 +51,12 @@ def parser() -> argparse.ArgumentParser:
         "`python -m dflash_mp.plan memory --help`: a training config's peak memory per rank, term by term.",
     )
     p.add_argument("--gpus", type=int, required=True, help="GPUs the job gets (world size)")
-    p.add_argument("--bench", help="bench/bench.py result JSON: stage rates, peak memories, device, shape")
+    p.add_argument(
+        "--bench",
+        default=str(DEFAULT_BENCH) if DEFAULT_BENCH.is_file() else None,
+        help="bench/bench.py result JSON: stage rates, peak memories, device, shape (default: the bundled "
+        f"{DEFAULT_BENCH.relative_to(DEFAULT_BENCH.parents[2])}, Qwen3-8B on H200, where present)",
+    )
     p.add_argument(
         "--target",
         help="the target: its HF directory (config.json), 'embedded', a preset (conf/experiment: "
@@ -94,8 +105,9 @@ def _check(args: argparse.Namespace) -> None:
         problems.append(f"--gpu-memory-gb {args.gpu_memory_gb}: must be positive")
     if not args.bench and not (args.target and args.drafter_ms and args.gpu_memory_gb):
         problems.append(
-            "--bench FILE is needed (a bench/bench.py JSON), or all of --target, --drafter-ms and "
-            "--gpu-memory-gb (and --target-ms where --families has no entry for the target)"
+            f"--bench FILE is needed (a bench/bench.py JSON; the bundled {DEFAULT_BENCH} is not in this "
+            "checkout), or all of --target, --drafter-ms and --gpu-memory-gb (and --target-ms where "
+            "--families has no entry for the target)"
         )
     if problems:
         raise PlanError("; ".join(problems))
@@ -147,6 +159,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         shape=shape,
         workload=workload,
         bench=args.bench,
+        bench_is_default=args.bench is not None and args.bench == str(DEFAULT_BENCH),
+        experiment=experiment_overrides(args.target, bench.shape.name if bench else None),
         stage=stage,
         candidates=found,
         left_out=left_out,
@@ -166,8 +180,28 @@ def workload_overrides(w: Workload) -> str:
     )
 
 
+def _is_preset(name: str) -> bool:
+    return bool(name) and (CONF_DIR / "experiment" / f"{name}.yaml").is_file()
+
+
+def experiment_overrides(target: str | None, bench_shape: str | None) -> str:
+    """The experiment (and target directory) a launch of the planned target takes: its preset, or
+    `custom` with the directory (TARGET_DIR where the plan had none: a families entry, a benchmark
+    shape without a preset)."""
+    custom = "experiment=custom model.target_path="
+    if target is None:  # the benchmark's shape, e.g. "qwen3-8b (benchmark shape)"
+        name = (bench_shape or "").split(" (")[0]
+        return f"experiment={name}" if _is_preset(name) else custom + "TARGET_DIR"
+    if target == "embedded":
+        return "experiment=embedded"
+    if Path(target).exists():
+        path = Path(target).resolve()
+        return custom + str(path.parent if path.name == "config.json" else path)
+    return f"experiment={target}" if _is_preset(target) else custom + "TARGET_DIR"
+
+
 def launch_command(plan: Plan, best: Candidate) -> str:
-    return f"torchrun --nproc-per-node {plan.gpus} -m dflash_mp.train {best.overrides} ..."
+    return f"torchrun --nproc-per-node {plan.gpus} -m dflash_mp.train {plan.experiment} {best.overrides} ..."
 
 
 def _input_rows(stage: StageModel) -> list[tuple[str, object]]:
@@ -234,7 +268,12 @@ def render_text(plan: Plan) -> str:
         + (f" ({active_params:.1f}B active in its layers)" if active else "")
         + f", hidden {s.hidden}, {s.layers} layers, {s.heads}/{s.kv_heads} heads; sample: {w.seq_len} tokens, "
         f"{w.num_anchors} anchors x block {w.block_size}, {w.draft_layers} draft layers, micro-batch {w.micro_batch}"
-        + (f"; rates from {plan.bench}" if plan.bench else ""),
+        + (f"; rates from {plan.bench}" if plan.bench else "")
+        + (
+            " (the bundled benchmark, --bench's default; --bench FILE for your own)"
+            if plan.bench_is_default
+            else ""
+        ),
         _stage_line(plan),
         "",
         f"{'input':<44} {'value':>8}  source",
@@ -299,6 +338,8 @@ def plan_dict(plan: Plan) -> dict:
         "workload": asdict(plan.workload),
         "workload_overrides": workload_overrides(plan.workload),
         "bench": plan.bench,
+        "bench_is_default": plan.bench_is_default,
+        "experiment": plan.experiment,
         "target_source": plan.target_source,
         "target_stage": target_stage(plan),
         "inputs": asdict(plan.stage),
