@@ -48,9 +48,9 @@ COUNTED_BY = {
     "sglang": "sglext.spec_tokens_details of each reply, summed",
 }
 START_HINT = (
-    "start it with the drafter as the README's 'Serve it' shows (`vllm serve TARGET --speculative-config "
-    '\'{..."method": "dflash"...}\'` or `python -m sglang.launch_server ... --speculative-algorithm '
-    "DFLASH`) and pass its address to --server"
+    "start it with the drafter as docs/evaluation-and-serving.md, 'Serve it', shows (`vllm serve TARGET "
+    '--speculative-config \'{..."method": "dflash"...}\'` or `python -m sglang.launch_server ... '
+    "--speculative-algorithm DFLASH`) and pass its address to --server"
 )
 
 
