@@ -186,6 +186,9 @@ def test_a_detached_job_outlives_its_shell_and_obeys_status_and_stop(tmp_path, a
         assert (run / "PREEMPTED").exists()
         after = launch_cli("status", str(run)).stdout
         assert "state:      preempted" in after and "exit code:  75" in after
+        # The log tail status shows: the agent's end in one line, not torchrun's SignalException stack.
+        assert "Traceback" not in after and "SignalException" not in after, after
+        assert "dflash_mp agent: stopped by SIGTERM, which it passed on to the ranks" in after, after
     finally:
         for pid in leftovers(run, state.get("pgid") or 0):
             os.kill(pid, signal.SIGKILL)
