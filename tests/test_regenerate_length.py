@@ -131,19 +131,17 @@ def test_a_rerun_with_other_settings_is_refused_naming_them(scripted, data: Path
 
 
 def test_parts_of_another_target_server_or_model_are_refused(tmp_path: Path) -> None:
-    served = made_with(_settings(), server="http://a:8000", model="m1", target="")
-    record_made_with(tmp_path, served)
-    check_made_with(
-        tmp_path, made_with(_settings(), server="http://a:8000", target="")
-    )  # model not asked yet
+    record_made_with(tmp_path, made_with(_settings(), server="http://a:8000", model="m1", target=""))
     other = made_with(_settings(), server="http://b:8000", model="m2", target="/t")
-    with pytest.raises(
-        RegenerateError,
-        match=r"--server http://a:8000 \(now http://b:8000\), --model m1 \(now m2\), --target unset \(now /t\)",
-    ):
+    check_made_with(tmp_path, other)  # no answer written yet: nothing to mix with
+    (tmp_path / "part-00000.jsonl").write_text('{"index": 0}\n')
+    model_not_asked_yet = made_with(_settings(), server="http://a:8000", target="")
+    check_made_with(tmp_path, model_not_asked_yet)
+    named = r"--server http://a:8000 \(now http://b:8000\), --model m1 \(now m2\), --target unset \(now /t\)"
+    with pytest.raises(RegenerateError, match=named):
         check_made_with(tmp_path, other)
-    with pytest.raises(RegenerateError, match=r"--server http://a:8000 \(now http://b:8000\)"):
-        record_made_with(tmp_path, other)  # a rank refused before it writes
+    with pytest.raises(RegenerateError, match=named):
+        record_made_with(tmp_path, other)  # a rank is refused before it writes
     assert json.loads((tmp_path / "settings.json").read_text())["server"] == "http://a:8000"
 
 

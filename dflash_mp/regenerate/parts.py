@@ -50,6 +50,8 @@ def made_with(settings: Settings, **source: Any) -> dict[str, Any]:
 
 def check_made_with(work_dir: Path, made: dict[str, Any]) -> None:
     """RegenerateError naming every setting in which the parts in `work_dir` differ from `made`."""
+    if not any(path.stat().st_size for path in work_dir.glob("part-*.jsonl")):
+        return  # no answer yet (a run stopped before its first): nothing to mix with
     try:
         recorded = json.loads((work_dir / SETTINGS_NAME).read_text(encoding="utf-8"))
     except FileNotFoundError:
