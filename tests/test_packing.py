@@ -8,6 +8,7 @@ in tests/test_runtime_e2e.py.
 from __future__ import annotations
 
 import random
+from array import array
 from types import SimpleNamespace
 
 import pytest
@@ -212,3 +213,29 @@ def test_packed_blocks_use_positions_within_the_document() -> None:
     # No label crosses into the next document: weights vanish past the anchor's document end.
     label_documents = blocks.weights > 0
     assert label_documents.any()
+
+
+def test_the_length_index_is_built_once_and_waiters_keep_beating(tmp_path) -> None:
+    """The first process builds the cached index under a lock; another waits for it (calling its
+    heartbeat while it waits, so a long build does not read as a hang) and reads the same values."""
+    import threading
+
+    from dflash_mp.data.packing import TOO_LONG, USABLE, RecordLengths, cached_lengths
+
+    built, beats = [], []
+    release = threading.Event()
+
+    def build():
+        built.append(1)
+        release.wait(5)
+        return RecordLengths(array("i", [5, 0, 7]), array("b", [USABLE, TOO_LONG, USABLE]))
+
+    first = threading.Thread(target=cached_lengths, args=(tmp_path, "k", build))
+    first.start()
+    while not built:
+        pass
+    threading.Timer(1.5, release.set).start()
+    waited = cached_lengths(tmp_path, "k", build, progress=lambda: beats.append(1))
+    first.join()
+    assert built == [1] and beats  # built once; the waiter beat while it waited
+    assert list(waited.lengths) == [5, 0, 7] and waited.count(TOO_LONG) == 1 and waited.usable == 2

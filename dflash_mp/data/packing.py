@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from dflash_mp.data.order import epoch_permutation
 # window's rows are spread over a short stretch of the epoch's order.
 PACKING_WINDOW = 1024
 _FORMAT = 1  # bump when the cached index's meaning changes
+PROGRESS_EVERY = 20_000
 
 USABLE, TRUNCATED, TOO_LONG, BAD = 0, 1, 2, 3
 
@@ -54,14 +56,21 @@ class RecordLengths:
         return sum(1 for n in self.lengths if n > 0)
 
 
-def measure_lengths(records: Any, parse: Any, on_bad_record: str, logger: logging.Logger) -> RecordLengths:
+def measure_lengths(
+    records: Any, parse: Any, on_bad_record: str, logger: logging.Logger, progress: Any = None
+) -> RecordLengths:
     """Parse every record once. `parse(raw, path, line, record_id)` -> Sample, or raises
-    BadRecord/TooLong (data.reader.parse_record with the job's tokenizer and settings)."""
+    BadRecord/TooLong (data.reader.parse_record with the job's tokenizer and settings);
+    `progress()` is called every PROGRESS_EVERY records (a rank's heartbeat: large data takes minutes)."""
     from dflash_mp.data.reader import TooLong
 
     lengths, status = array("i"), array("b")
     logged = 0
     for i in range(len(records)):
+        if i and i % PROGRESS_EVERY == 0:
+            logger.info("packing: %d of %d records read", i, len(records))
+            if progress is not None:
+                progress()
         path, line, raw = records.read_bytes(i)
         try:
             sample = parse(raw, path, line, i)
@@ -102,13 +111,21 @@ def lengths_cache_key(paths: Sequence[str], renderer: Any, settings: dict[str, A
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
-def cached_lengths(cache: Path, key: str, build: Any) -> RecordLengths:
+def cached_lengths(cache: Path, key: str, build: Any, progress: Any = None) -> RecordLengths:
     """The index under `cache/key`, built by `build()` once: the first process of a node builds
-    it under a file lock, the others wait and read it. Written to a temporary file and renamed."""
+    it under a file lock, the others wait and read it (calling `progress()` while they wait).
+    Written to a temporary file and renamed."""
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / f"{key}.lengths"
     with open(cache / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if progress is not None:
+                    progress()
+                time.sleep(1.0)
         if path.is_file():
             return _read_lengths(path)
         result = build()
@@ -230,7 +247,9 @@ class PackedOrder:
         return m == self._starts[epoch]
 
 
-def job_lengths(records: Any, renderer: Any, data_cfg: Any, logger: logging.Logger) -> RecordLengths:
+def job_lengths(
+    records: Any, renderer: Any, data_cfg: Any, logger: logging.Logger, progress: Any = None
+) -> RecordLengths:
     """The packing index of a job's training data (cached; see `cached_lengths`), with the job's
     bad-record rules applied to the whole data at once."""
     from dflash_mp.data.reader import parse_record
@@ -246,10 +265,10 @@ def job_lengths(records: Any, renderer: Any, data_cfg: Any, logger: logging.Logg
 
     def build() -> RecordLengths:
         logger.info("packing: reading the token count of all %d records (once; cached)", len(records))
-        return measure_lengths(records, parse, data_cfg.on_bad_record, logger)
+        return measure_lengths(records, parse, data_cfg.on_bad_record, logger, progress)
 
     key = lengths_cache_key(records.paths, renderer, settings)
-    lengths = cached_lengths(cache_dir() / "packing", key, build)
+    lengths = cached_lengths(cache_dir() / "packing", key, build, progress)
     bad = lengths.count(BAD)
     if data_cfg.on_bad_record == "fail" and bad:
         raise DataError(f"{bad} bad record(s) in the training data and data.on_bad_record=fail: see doctor")

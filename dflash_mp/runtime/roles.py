@@ -27,7 +27,7 @@ def data_order(cfg: RootConfig, records: Records, renderer=None):
     if not cfg.data.packing:
         return DataOrder(len(records), cfg.train.micro_batch_size, cfg.train.seed)
     renderer = renderer or _renderer(cfg)
-    lengths = packing.job_lengths(records, renderer, cfg.data, get_logger())
+    lengths = packing.job_lengths(records, renderer, cfg.data, get_logger(), lambda: beat("index", 0))
     order = packing.PackedOrder(
         lengths.lengths, cfg.data.max_length, cfg.train.micro_batch_size, cfg.train.seed
     )
