@@ -10,7 +10,7 @@ import pytest
 
 from dflash_mp import doctor, embedded
 from dflash_mp.config.schema import compose_config
-from dflash_mp.data import ChatRenderer, JsonlIndex, load_tokenizer
+from dflash_mp.data import ChatRenderer, DataError, JsonlIndex, load_tokenizer
 from dflash_mp.data.preflight import Scoring, judge, sample_ids, sample_report
 
 TARGET = embedded.embedded_path("target")
@@ -80,10 +80,12 @@ def test_no_loss_tokens_fails_even_when_bad_records_are_tolerated(
     assert "none of the 3 usable sampled records" in judge(empty, max_bad_fraction=0.0, on_bad_record="fail")
 
 
-def test_sample_is_evenly_spread_and_bounded() -> None:
-    assert sample_ids(5) == [0, 1, 2, 3, 4]
+def test_sample_is_random_seeded_bounded_and_skips_known_bad_records() -> None:
+    assert sample_ids(5) == [0, 1, 2, 3, 4] and sample_ids(5, exclude={1, 3}) == [0, 2, 4]
     ids = sample_ids(10_000)
-    assert len(ids) == 1000 and ids[0] == 0 and ids[-1] == 9990
+    assert len(ids) == len(set(ids)) == 1000 and ids == sorted(ids) and ids == sample_ids(10_000)
+    assert ids != list(range(0, 10_000, 10)) and sample_ids(10_000, seed=1) != ids
+    assert not set(sample_ids(10_000, exclude=set(range(0, 10_000, 2)))) & set(range(0, 10_000, 2))
 
 
 def test_doctor_fails_fast_on_an_unknown_format_naming_file_line_and_formats(tmp_path: Path) -> None:
@@ -95,7 +97,7 @@ def test_doctor_fails_fast_on_an_unknown_format_naming_file_line_and_formats(tmp
     assert time.monotonic() - started < 120  # a sample, not the whole file: generous for a loaded machine
     failed = {c.name: c.message for c in doctor.failed(checks)}
     assert set(failed) == {"data"}, failed
-    assert "no record of the sample is in an accepted format" in failed["data"]
+    assert "no record of the data is in an accepted format" in failed["data"]
     assert f"{path}:1: unknown record format (keys: instruction, output)" in failed["data"]
     assert '"conversations"' in failed["data"] and "ShareGPT" in failed["data"]
 
@@ -138,22 +140,21 @@ def test_doctor_refuses_an_eval_that_cannot_fit_the_targets_context(tmp_path: Pa
     assert not doctor.failed(fits) and any(c.name == "eval" for c in fits)
 
 
-def test_packing_reads_every_record_so_bad_ones_between_samples_are_caught(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """With data.packing the preflight builds the packing index, a pass over every record: 10% bad
-    records that all sit between the sample's stride still fail it, naming the fraction."""
+def test_bad_records_between_samples_are_caught_with_or_without_packing(tmp_path: Path) -> None:
+    """Every record is checked (unpacked: decoded and format-checked; packed: the packing index), so
+    10% bad records that all sit between an evenly spaced sample's records fail the check."""
     lines = [GOOD] * 2000
-    for i in range(1, 2000, 10):  # the sample reads records 0, 2, 4, ...: never these
+    for i in range(1, 2000, 10):  # an evenly spaced sample of 1000 reads records 0, 2, 4, ...: never these
         lines[i] = "{"
     path = write(tmp_path / "d.jsonl", lines)
     base = [f"data.train_files=[{path}]", "train.device=cpu"]
-    unpacked = {c.name: c for c in doctor.preflight(compose_config(base), tmp_path / "run")}
-    assert unpacked["data"].ok  # the sample alone is fooled
-    checks = doctor.preflight(compose_config([*base, "data.packing=true"]), tmp_path / "run")
-    failed = {c.name: c.message for c in doctor.failed(checks)}
-    assert set(failed) == {"data"}, failed
-    assert "200 of the 2000 records are bad (10.0%)" in failed["data"]
+    for packing in ("false", "true"):
+        checks = doctor.preflight(compose_config([*base, f"data.packing={packing}"]), tmp_path / "run")
+        failed = {c.name: c.message for c in doctor.failed(checks)}
+        assert set(failed) == {"data"}, (packing, failed)
+        assert "200 of the 2000 records are bad (10.0%)" in failed["data"], packing
+        if packing == "false":  # the packing index logs the first bad records as it meets them
+            assert f"bad: 200 (malformed JSON), e.g. {path}:2: malformed JSON" in failed["data"]
     good = write(tmp_path / "good.jsonl", [GOOD] * 30)
     checks = doctor.preflight(
         compose_config([f"data.train_files=[{good}]", "train.device=cpu", "data.packing=true"]),
@@ -161,6 +162,39 @@ def test_packing_reads_every_record_so_bad_ones_between_samples_are_caught(
     )
     data = next(c for c in checks if c.name == "data")
     assert data.ok and "packing: all 30 records read, 30 usable, 0 bad" in data.message
+
+
+@pytest.mark.parametrize("bad_fraction", [0.10, 0.03])
+@pytest.mark.parametrize("where", ["between samples", "at the start", "at the end"])
+def test_doctor_and_training_agree_wherever_the_bad_records_sit(
+    tmp_path: Path, where: str, bad_fraction: float
+) -> None:
+    """The same verdict from the preflight and from a target rank's reader reading an epoch, for bad
+    records (above and below data.max_bad_fraction=0.05) spread or bunched anywhere in the file."""
+    from dflash_mp.config.schema import to_dataclass
+    from dflash_mp.data import open_records
+    from dflash_mp.data.preflight import check_data_sample
+    from dflash_mp.runtime.roles import make_reader
+
+    n, count = 2000, round(2000 * bad_fraction)  # more records than the sample reads
+    bad = {
+        "between samples": range(1, n, n // count),
+        "at the start": range(count),
+        "at the end": range(n - count, n),
+    }[where]
+    path = write(tmp_path / "d.jsonl", ["{" if i in bad else GOOD for i in range(n)])
+    cfg = to_dataclass(compose_config([f"data.train_files=[{path}]", "train.device=cpu"]))
+    ok, message = check_data_sample(cfg)
+    trained = True
+    try:
+        reader = make_reader(cfg, open_records([path]))
+        for m in range(reader.order.per_epoch):
+            reader.read(m)
+    except DataError as e:
+        trained = False
+        assert f"{count} of the {n} records are bad" in str(e)
+    assert ok == trained == (bad_fraction < 0.05), message
+    assert (f"{count} of the {n} records are bad" in message) != ok
 
 
 @pytest.mark.parametrize("block_size", [2, 3, 8])

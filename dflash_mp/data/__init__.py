@@ -5,7 +5,8 @@ chat      the chat template's rendering and the assistant loss mask
 order     the byte-offset index and the topology-free record order
 sources   JSONL, Parquet, Arrow, save_to_disk directories and hf:org/name, read by record index
 reader    records -> samples -> micro-batches, with bad/truncated counts
-preflight a sample of the data read the way training reads it, before any worker starts
+validity  every record decoded and format-checked, no tokenizer (the preflight's and ranks' full pass)
+preflight the full pass and a random sample read the way training reads it, before any worker starts
 """
 
 from dflash_mp.data.chat import (

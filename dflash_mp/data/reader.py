@@ -18,6 +18,7 @@ ON_TOO_LONG = ("truncate", "skip")
 # A reader judges its running bad fraction only after this many records: a few bad records early
 # in a large data set must not stop the job before the fraction means anything.
 MIN_RECORDS_TO_JUDGE = 200
+FIX_BAD_DATA = "fix the data (`python -m dflash_mp.launch doctor` lists examples with file:line) or raise data.max_bad_fraction"
 
 
 class TooLong(BadRecord):
@@ -176,7 +177,11 @@ class MicroBatchReader:
         renderer: ChatRenderer | None = None,
         on_too_long: str = "truncate",
         max_bad_fraction: float = 0.05,
+        full: Any = None,
     ) -> None:
+        """`full`: the preflight's pass over every record (data.validity.FullPass); with it the bad
+        fraction is judged as the preflight judges it: the pass's bad records exactly, and only the
+        others (records that fail to render) by the running count."""
         if on_bad_record not in ("skip", "fail"):
             raise ValueError(f"on_bad_record={on_bad_record!r}: must be 'skip' or 'fail'")
         if on_too_long not in ON_TOO_LONG:
@@ -199,6 +204,16 @@ class MicroBatchReader:
         self.bad_records = 0
         self.too_long_records = 0  # longer than max_length: truncated or skipped, per on_too_long
         self._logged: set[int] = set()  # each skipped record is logged once per reader
+        self.full = full
+        self._unforeseen_bad = 0  # bad records read that the full pass did not find
+        if full is not None and full.bad_count and on_bad_record == "fail":
+            first = next(iter(full.examples.values()))[0]
+            raise DataError(f"{first} (set data.on_bad_record=skip to skip such records)")
+        if full is not None and full.bad_fraction > max_bad_fraction:
+            raise DataError(
+                f"{full.bad_count} of the {full.checked} records are bad ({full.bad_fraction:.1%}), above "
+                f"data.max_bad_fraction={max_bad_fraction}: {FIX_BAD_DATA}"
+            )
 
     def read(self, m: int) -> MicroBatch:
         epoch, record_ids = self.order.records(m)
@@ -226,6 +241,7 @@ class MicroBatchReader:
                     raise DataError(f"{bad} (set data.on_bad_record=skip to skip such records)") from None
                 # Dropped, not replaced: a substitute would make the data depend on the topology.
                 self.bad_records += 1
+                self._unforeseen_bad += self.full is not None and record_id not in self.full.bad_ids
                 self._log_once(record_id, "skipping bad record %s", bad)
                 continue
             self.too_long_records += sample.truncated
@@ -243,15 +259,26 @@ class MicroBatchReader:
         # fraction (the preflight judged the whole of it), but once the rank has read as many records
         # as the data holds and none was usable, training would learn nothing.
         hopeless = self.records_read >= len(self.index) and self.bad_records == self.records_read
-        if (
-            self.records_read < MIN_RECORDS_TO_JUDGE and not hopeless
-        ) or self.bad_records <= self.max_bad_fraction * self.records_read:
+        if self.records_read < MIN_RECORDS_TO_JUDGE and not hopeless:
+            return
+        if self.full is not None and not hopeless:
+            # The full pass's fraction is exact; the running count judges only the records it passed.
+            known = self.bad_records - self._unforeseen_bad
+            passed = max(self.records_read - known, 1)
+            estimate = self.full.bad_fraction + (1 - self.full.bad_fraction) * self._unforeseen_bad / passed
+            if estimate <= self.max_bad_fraction:
+                return
+            raise DataError(
+                f"{self.full.bad_count} of the {self.full.checked} records are bad and {self._unforeseen_bad} of "
+                f"the {passed} well-formed records this rank read cannot be used: about {estimate:.1%} of the "
+                f"data, above data.max_bad_fraction={self.max_bad_fraction}: {FIX_BAD_DATA}"
+            )
+        if self.bad_records <= self.max_bad_fraction * self.records_read:
             return
         raise DataError(
             f"{self.bad_records} of the {self.records_read} records this rank read are bad "
             f"({self.bad_records / self.records_read:.1%}), above data.max_bad_fraction={self.max_bad_fraction}: "
-            "fix the data (`python -m dflash_mp.launch doctor` lists examples with file:line) "
-            "or raise data.max_bad_fraction"
+            f"{FIX_BAD_DATA}"
         )
 
 
