@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_mp.models.target import TargetFeatureExtractor, load_embedding_and_head, load_target_config
+from dflash_mp.models.target_structure import TargetStructureError
 
 NUM_LAYERS = 6
 
@@ -97,8 +98,14 @@ def test_missing_tensors_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_embedding_and_head(tmp_path, dtype=torch.float32, device="cpu")
     (tmp_path / "config.json").write_text("{}")
-    save_file({"lm_head.weight": torch.zeros(4, 2)}, tmp_path / "model.safetensors")
-    with pytest.raises(KeyError, match="model.embed_tokens.weight"):
+    save_file({"lm_head.weight": torch.zeros(128, 32)}, tmp_path / "model.safetensors")
+    with pytest.raises(TargetStructureError, match="transformers cannot build its model"):
+        load_embedding_and_head(tmp_path, dtype=torch.float32, device="cpu")
+    Qwen3Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, vocab_size=128).save_pretrained(
+        tmp_path
+    )
+    # lm_head.weight is the head's: no tensor is left for the embedding, even by its shape.
+    with pytest.raises(TargetStructureError, match=r"no input embedding \(the model's model.embed_tokens"):
         load_embedding_and_head(tmp_path, dtype=torch.float32, device="cpu")
 
 

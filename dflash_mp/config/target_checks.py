@@ -15,6 +15,7 @@ from dflash_mp.config.schema import (
     checked_target_config,
     resolved_target_layer_ids,
 )
+from dflash_mp.embedded import cache_dir
 
 
 def target_problems(cfg: DictConfig | RootConfig) -> list[str]:
@@ -31,7 +32,7 @@ def target_problems(cfg: DictConfig | RootConfig) -> list[str]:
         target = checked_target_config(str(target_dir))
     except TargetConfigError as e:
         return [str(e)]  # it names the file
-    problems: list[str] = []
+    problems = structure_problems(m, target_dir)
     if m.arch == "dflash2":
         _validate_dflash2_against_target(problems, m, target)
     problems += _layer_problems(cfg, target)
@@ -49,6 +50,24 @@ def target_problems(cfg: DictConfig | RootConfig) -> list[str]:
             f"({max_positions})"
         )
     return problems
+
+
+def target_tensors_cache() -> Path:
+    """Where the names of targets' embedding and LM head tensors are kept once found
+    (models/target_structure.py): the preflight finds them, the drafter ranks read them."""
+    return cache_dir() / "target-tensors"
+
+
+def structure_problems(m: Any, target_dir: Path) -> list[str]:
+    """Whether the trainer finds the target's decoder layers, input embedding and LM head in its
+    model and checkpoint (models/target_structure.py): a target whose parts it cannot find fails
+    here, naming the part, not in a rank after the preflight."""
+    from dflash_mp.models.target_structure import structure_problem
+
+    problem = structure_problem(target_dir, bool(m.trust_remote_code), target_tensors_cache())
+    if problem is None:
+        return []
+    return [f"model.target_path={str(m.target_path)!r}: {problem}; see docs/TARGETS.md"]
 
 
 def _layer_problems(cfg: DictConfig | RootConfig, target: dict[str, Any]) -> list[str]:

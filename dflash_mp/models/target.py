@@ -1,8 +1,9 @@
 """The frozen target: hidden states for the drafter, and its embedding and LM head for the loss.
 
 Target ranks run `TargetFeatureExtractor`; drafter ranks only need the target's embedding and
-LM head matrices, which `load_embedding_and_head` reads straight from the safetensors files so a
-70B target is never instantiated there. Given a DeviceMesh, a target rank holds its share of a
+LM head matrices, which `load_embedding_and_head` (models/target_checkpoint.py) reads straight
+from the safetensors files so a 70B target is never instantiated there. Where the decoder and its
+layers sit in the model is found by walking it (models/target_structure.py). Given a DeviceMesh, a target rank holds its share of a
 tensor-parallel replica (dflash_mp.models.tensor_parallel); the features come out whole. Rows
 that pack several documents (`document_ids`) give each document's features as if it ran alone
 (dflash_mp.models.packed_target).
@@ -12,21 +13,22 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 import logging
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
 from dflash_mp.models import packed_target, target_graphs, target_kernels
+from dflash_mp.models.target_checkpoint import checkpoint_bytes, load_embedding_and_head
+from dflash_mp.models.target_structure import decoder_layers, find_decoder, locate_decoder
+
+__all__ = ["TargetFeatureExtractor", "checkpoint_bytes", "load_embedding_and_head", "load_target_config"]
 
 
 def _tp() -> Any:
@@ -38,9 +40,6 @@ def _tp() -> Any:
 
 
 log = logging.getLogger(__name__)
-
-_EMBEDDING_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
-_HEAD_NAMES = ("lm_head.weight",)
 
 
 def load_target_config(path: str | Path, trust_remote_code: bool = False) -> PretrainedConfig:
@@ -54,6 +53,15 @@ def _check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
             f"model.target_layer_ids={list(layer_ids)} is invalid for a target with {num_layers} layers: "
             f"use a non-empty list of layer indices in [0, {num_layers - 1}]"
         )
+
+
+def _keep_layers(text_config: PretrainedConfig, kept: int) -> int:
+    """Truncate `text_config` to its first `kept` layers (the count, and the per-layer types that
+    some configs derive the count from: NemotronH ignores num_hidden_layers)."""
+    text_config.num_hidden_layers = kept
+    if getattr(text_config, "layer_types", None) is not None:
+        text_config.layer_types = text_config.layer_types[:kept]
+    return kept
 
 
 class _DropLoadReport(logging.Filter):
@@ -96,10 +104,7 @@ class TargetFeatureExtractor(nn.Module):
         self.hidden_size: int = text_config.hidden_size
 
         # Build only the layers we read, so the later ones are never materialised (their weights are skipped).
-        kept_layers = max(layer_ids) + 1
-        text_config.num_hidden_layers = kept_layers
-        if getattr(text_config, "layer_types", None) is not None:
-            text_config.layer_types = text_config.layer_types[:kept_layers]
+        kept_layers = _keep_layers(text_config, max(layer_ids) + 1)
         device = torch.device(device)
         if mesh is not None:
             _tp().check_divisible(text_config, _tp().parallel_degree(mesh))
@@ -122,7 +127,7 @@ class TargetFeatureExtractor(nn.Module):
         if broken:
             raise ValueError(f"target checkpoint {path} does not match its config: {broken[:8]}")
         # Keep the decoder stack only; the LM head (and the rest of the wrapper) is dropped with `model`.
-        decoder = model.get_decoder()
+        decoder = find_decoder(model, kept_layers)
         del model
         if mesh is None:
             decoder.to(device)
@@ -140,12 +145,13 @@ class TargetFeatureExtractor(nn.Module):
     def _attach(self, decoder: nn.Module) -> None:
         """Freeze `decoder` (layers 0..max(layer_ids)) and capture the outputs of layers `layer_ids`."""
         self.decoder = decoder.eval().requires_grad_(False)
+        self.layers = decoder_layers(decoder)
         self._captured: dict[int, torch.Tensor] = {}
         self._graphed: target_graphs.GraphedForward | None = None
         self._packing: packed_target.PackingPlan | None = None
         self._packed_forward_ran = False
         for layer_id in set(self.layer_ids):
-            self.decoder.layers[layer_id].register_forward_hook(self._capture_hook(layer_id))
+            self.layers[layer_id].register_forward_hook(self._capture_hook(layer_id))
 
     @classmethod
     def build_random(
@@ -167,28 +173,27 @@ class TargetFeatureExtractor(nn.Module):
         text_config = copy.deepcopy(config.get_text_config())
         num_layers = text_config.num_hidden_layers
         _check_layer_ids(layer_ids, num_layers)
-        kept_layers = max(layer_ids) + 1
-        text_config.num_hidden_layers = kept_layers
-        if getattr(text_config, "layer_types", None) is not None:
-            text_config.layer_types = text_config.layer_types[:kept_layers]
+        kept_layers = _keep_layers(text_config, max(layer_ids) + 1)
         if mesh is not None:
             _tp().check_divisible(text_config, _tp().parallel_degree(mesh))
         device = torch.device(device)
         # The skeleton on "meta" allocates nothing; the embedding, norm and rotary tables are
         # built for real (small), then each layer is materialised on `device`.
         with torch.device("meta"):
-            decoder = AutoModel.from_config(text_config, dtype=dtype)
+            model = AutoModel.from_config(text_config, dtype=dtype)
+        path, layers = locate_decoder(model, kept_layers)
+        decoder = model.get_submodule(path)
         shell_config = copy.deepcopy(text_config)
         shell_config.num_hidden_layers = 0
         if getattr(shell_config, "layer_types", None) is not None:
             shell_config.layer_types = []
         with _seeded(device, seed):
             shell = AutoModel.from_config(shell_config, dtype=dtype).to(device)
-        for name, child in shell.named_children():
-            if name != "layers":
+        for name, child in shell.get_submodule(path).named_children():
+            if name != layers:
                 setattr(decoder, name, child)
         plan = _tp().layer_plan(text_config) if mesh is not None else None
-        for index, layer in enumerate(decoder.layers):
+        for index, layer in enumerate(getattr(decoder, layers)):
             layer.to_empty(device=device)
             with _seeded(device, seed * 100_003 + index + 1), torch.no_grad():
                 for module in layer.modules():
@@ -215,7 +220,7 @@ class TargetFeatureExtractor(nn.Module):
 
     def compile_layers(self, **compile_options: Any) -> dict[str, int]:
         """torch.compile the layers (fused norms, RoPE, SiLU), leaving fla's linear attention eager."""
-        return target_kernels.compile_layers(self.decoder.layers, **compile_options)
+        return target_kernels.compile_layers(self.layers, **compile_options)
 
     def _capture_hook(self, layer_id: int) -> Callable[[nn.Module, tuple, Any], None]:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
@@ -316,74 +321,9 @@ def _seeded(device: torch.device, seed: int) -> Iterator[None]:
 def _place_sharded(decoder: nn.Module, device: torch.device, mesh: DeviceMesh, plan: dict) -> None:
     """Move a CPU-loaded decoder to `device`, sharding each layer as it arrives (one full layer
     at a time on the device)."""
-    for name, child in decoder.named_children():
-        if name != "layers":
+    layers = decoder_layers(decoder)
+    for child in decoder.children():
+        if child is not layers:
             child.to(device)
-    for layer in decoder.layers:
+    for layer in layers:
         _tp().shard_layer(layer.to(device), plan, mesh)
-
-
-def _tensor_files(path: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file holding it, for a single-file or sharded checkpoint."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
-    single = path / "model.safetensors"
-    if single.is_file():
-        with safe_open(single, framework="pt") as f:
-            return dict.fromkeys(f.keys(), single)
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
-
-
-def checkpoint_bytes(path: str | Path, dtype: torch.dtype) -> int | None:
-    """Bytes of the whole checkpoint once loaded with floating tensors in `dtype`, from the
-    safetensors headers alone (no tensor is read); None for a checkpoint without safetensors."""
-    try:
-        files = _tensor_files(Path(path))
-    except FileNotFoundError:
-        return None
-    total = 0
-    for file in set(files.values()):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                piece = f.get_slice(name)
-                stored = _SAFETENSORS_DTYPES.get(piece.get_dtype(), torch.float32)
-                itemsize = (dtype if stored.is_floating_point else stored).itemsize
-                total += math.prod(piece.get_shape()) * itemsize
-    return total
-
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
-
-
-def _read_tensor(files: dict[str, Path], names: tuple[str, ...]) -> torch.Tensor | None:
-    name = next((n for n in names if n in files), None)
-    if name is None:
-        return None
-    with safe_open(files[name], framework="pt") as f:
-        return f.get_tensor(name)
-
-
-def load_embedding_and_head(
-    path: str | Path, dtype: torch.dtype, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's input embedding and LM head matrices, both [V, H], without building the model.
-
-    With tied embeddings (or no stored head) the head is the embedding tensor itself, not a copy.
-    """
-    path = Path(path)
-    files = _tensor_files(path)
-    embedding = _read_tensor(files, _EMBEDDING_NAMES)
-    if embedding is None:
-        raise KeyError(f"no input embedding ({' or '.join(_EMBEDDING_NAMES)}) in the checkpoint at {path}")
-    config = json.loads((path / "config.json").read_text())
-    tied = any(c.get("tie_word_embeddings", False) for c in (config, config.get("text_config", {})))
-    head = None if tied else _read_tensor(files, _HEAD_NAMES)
-    embedding = embedding.to(device=device, dtype=dtype)
-    head = embedding if head is None else head.to(device=device, dtype=dtype)
-    return embedding, head

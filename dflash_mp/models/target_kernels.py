@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 from dflash_mp.models import linear_attention, moe_experts, target_graphs
+from dflash_mp.models.target_structure import decoder_layers
 
 SINK_ATTENTION = "dflash_sink_flex"
 
@@ -104,18 +105,23 @@ def use_fast_kernels(decoder: nn.Module) -> dict[str, str]:
     if has_attention_sinks(config):
         _register_sink_attention()
         config._attn_implementation = SINK_ATTENTION
+    own_experts = False
     if is_moe(config) and hasattr(decoder, "set_experts_implementation"):
-        decoder.set_experts_implementation("grouped_mm")  # transformers checks it can dispatch here
-        if config._experts_implementation == "grouped_mm" and moe_experts.register():
+        try:
+            decoder.set_experts_implementation("grouped_mm")  # transformers checks it can dispatch here
+        except ValueError:  # experts of the model's own (Llama 4's batched matmuls): kept as they are
+            own_experts = True
+        if not own_experts and config._experts_implementation == "grouped_mm" and moe_experts.register():
             decoder.set_experts_implementation(moe_experts.EXPERTS_IMPLEMENTATION)
     kernels = {"attention": _ATTENTION_NAMES.get(config._attn_implementation, config._attn_implementation)}
     if has_linear_attention(config):
         # Per module: Qwen3.5's on CUDA with fla, unsharded; others keep transformers' forward.
-        layers = [getattr(layer, "linear_attn", None) for layer in decoder.layers]
+        layers = [getattr(layer, "linear_attn", None) for layer in decoder_layers(decoder)]
         fast = [linear_attention.use_fast_forward(m) for m in layers if m is not None]
         kernels["linear_attention"] = linear_attention_kernels(fast_forward=any(fast))
     if is_moe(config):
-        kernels["experts"] = str(getattr(config, "_experts_implementation", None) or "eager")
+        chosen = str(getattr(config, "_experts_implementation", None) or "eager")
+        kernels["experts"] = f"{type(decoder).__name__}'s own" if own_experts else chosen
     return kernels
 
 

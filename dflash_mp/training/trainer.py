@@ -20,9 +20,10 @@ from torch import nn
 
 from dflash_mp.config.precision import resolve_precision
 from dflash_mp.config.schema import RootConfig
+from dflash_mp.config.target_checks import target_tensors_cache
 from dflash_mp.kernels.flash_attention import check_flash_supported
 from dflash_mp.models.drafter import DFlashDrafter
-from dflash_mp.models.target import load_embedding_and_head
+from dflash_mp.models.target_checkpoint import load_embedding_and_head
 from dflash_mp.objective.block_diffusion import drafter_loss, loss_blocks, per_position_accuracy
 from dflash_mp.objective.draft_blocks import DraftBlocks
 from dflash_mp.objective.selector_loss import selector_metrics
@@ -85,7 +86,11 @@ class DrafterTrainer:
         self.drafter.gradient_checkpointing = cfg.train.activation_checkpointing
         if embed_and_head is None:
             embed_and_head = load_embedding_and_head(
-                cfg.model.target_path, dtype=self.hidden_dtype, device=device
+                cfg.model.target_path,
+                self.hidden_dtype,
+                device,
+                cfg.model.trust_remote_code,
+                names_cache=target_tensors_cache(),
             )
         embed, head = embed_and_head
         self.embed_weight, self.head_weight = embed.requires_grad_(False), head.requires_grad_(False)
