@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from dflash_mp.config.mask_token import mask_token_id
 from dflash_mp.embedded import embedded_path, target_dir
+from dflash_mp.models.target_fields import REQUIRED_TARGET_FIELDS, with_standard_names
 
 
 class ConfigError(ValueError):
@@ -61,7 +62,7 @@ class ModelConfig:
     # Factor on the block tokens' embeddings; null: the target's (Gemma sqrt(hidden_size), Granite
     # embedding_multiplier, else 1).
     input_embedding_scale: float | None = None
-    # Factor on the draft logits; null: the target's (Granite 1/logits_scaling, else 1).
+    # Factor on the draft logits; null: the target's (Granite 1/logits_scaling, Cohere logit_scale, else 1).
     output_multiplier: float | None = None
     # Soft cap c on the draft logits, c * tanh(logits / c) after the multiplier; null: the target's
     # final_logit_softcapping (Gemma 2), else none; 0: none.
@@ -278,13 +279,10 @@ class TargetConfigError(ConfigError):
     """The target's config.json cannot be read as a model's config; the message names the file."""
 
 
-# What the trainer reads from the target's (text) config without a default.
-REQUIRED_TARGET_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
-
-
 def read_target_config(target_path: str) -> dict[str, Any]:
     """The target's config.json as a dict (cheap: no model import), the text config of a multimodal
-    one. TargetConfigError when the file cannot be read or is not a JSON object."""
+    one, under the field names the trainer reads (models/target_fields.py). TargetConfigError when
+    the file cannot be read or is not a JSON object."""
     path = Path(target_path) / "config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -300,7 +298,7 @@ def read_target_config(target_path: str) -> dict[str, Any]:
     text = config.get("text_config", config) if "num_hidden_layers" not in config else config
     if not isinstance(text, dict):
         raise TargetConfigError(f"{path}: its text_config is a {type(text).__name__}, not an object")
-    return text
+    return with_standard_names(text)
 
 
 def checked_target_config(target_path: str) -> dict[str, Any]:
@@ -313,7 +311,8 @@ def checked_target_config(target_path: str) -> dict[str, Any]:
         for key in REQUIRED_TARGET_FIELDS
         if key in config and not (type(config[key]) is int and config[key] > 0)
     ]
-    what = ([f"lacks {', '.join(missing)}"] if missing else []) + (
+    layers = " (nor a list of layer types to count)" if "num_hidden_layers" in missing else ""
+    what = ([f"lacks {', '.join(missing)}{layers}"] if missing else []) + (
         [f"{', '.join(wrong)}: not a positive integer"] if wrong else []
     )
     if what:

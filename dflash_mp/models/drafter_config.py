@@ -3,22 +3,23 @@ SGLang and vLLM read them (docs/DESIGN.md §3), and the checks a bad one fails."
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from transformers import PretrainedConfig, Qwen3Config
 
 from dflash_mp.models.qwen3_layers import rotary_embedding
+from dflash_mp.models.target_fields import REQUIRED_TARGET_FIELDS, with_standard_names
 
-# Target-config keys the drafter copies as they are (the head geometry, the MLP width, the
-# activation and RoPE are derived: `drafter_geometry`).
-_COPIED_KEYS = (
-    "hidden_size",
-    "rms_norm_eps",
-    "attention_bias",
-    "max_position_embeddings",
-    "vocab_size",
-    "initializer_range",
-)
+# Target-config keys the drafter copies as they are (the head geometry, the MLP width, the norm
+# epsilon, the activation and RoPE are derived: `drafter_geometry`).
+_COPIED_KEYS = ("hidden_size", "attention_bias", "max_position_embeddings", "vocab_size", "initializer_range")
+# The norm epsilon under the names families give it (transformers has no alias for it): RMS or
+# layer norm, `_eps` or `_epsilon` (Llama 4's norm_eps, Cohere's layer_norm_eps, NemotronH's
+# layer_norm_epsilon).
+_NORM_EPSILON = re.compile(r"((rms_|layer_)?norm_)?eps(ilon)?")
+# A field naming the dense MLP's width beside an experts' intermediate_size (Llama 4's intermediate_size_mlp).
+_DENSE_WIDTH = re.compile(r"(dense|mlp)_intermediate_size|intermediate_size_(dense|mlp)")
 # The rope_parameters keys the drafter keeps: its RoPE rotates the whole head (the reference and
 # SGLang always do; vLLM would honour a partial_rotary_factor, docs/TARGETS.md), and its positions
 # are 1-D text positions, for which multimodal RoPE (mrope_section) equals plain RoPE.
@@ -40,16 +41,34 @@ SCALING_DEFAULTS: dict[str, float | None] = {
 def target_scaling(target: dict[str, Any]) -> dict[str, float | None]:
     """The scaling fields as the target itself applies them (for those a config leaves null):
     Gemma multiplies its input embeddings by sqrt(hidden_size) and Granite by its
-    embedding_multiplier; Granite divides its logits by logits_scaling; Gemma 2 soft-caps them at
-    its final_logit_softcapping. Other targets scale nothing."""
+    embedding_multiplier; Granite divides its logits by logits_scaling, Cohere multiplies them by
+    logit_scale and Falcon-H1 by lm_head_multiplier; Gemma 2 soft-caps them at its
+    final_logit_softcapping. Other targets scale nothing."""
     gemma = str(target.get("model_type", "")).startswith("gemma")
     embedding = target.get("embedding_multiplier") or (float(target["hidden_size"]) ** 0.5 if gemma else 1.0)
     logits_scaling = target.get("logits_scaling")
+    output = float(target.get("logit_scale") or 1.0) * float(target.get("lm_head_multiplier") or 1.0)
     return {
         "input_embedding_scale": float(embedding),
-        "output_multiplier": 1.0 / float(logits_scaling) if logits_scaling else 1.0,
+        "output_multiplier": output / float(logits_scaling) if logits_scaling else output,
         "final_logit_softcapping": target.get("final_logit_softcapping") or None,
     }
+
+
+def norm_epsilon(target: dict[str, Any]) -> float | None:
+    """The target's norm epsilon, under whichever of its names the config uses (`_NORM_EPSILON`)."""
+    found = [v for k, v in target.items() if _NORM_EPSILON.fullmatch(k) and isinstance(v, (int, float))]
+    return float(found[0]) if found else None
+
+
+def mlp_width(target: dict[str, Any]) -> int:
+    """The drafter's MLP width: the target's dense MLP width (a field naming it beside an experts'
+    intermediate_size, else intermediate_size); 3 x hidden_size where that is narrower than the
+    hidden size (an experts' width: MiniMax-M2, OLMoE) or absent (Qwen3.5-MoE)."""
+    hidden = int(target["hidden_size"])
+    dense = [v for k, v in target.items() if _DENSE_WIDTH.fullmatch(k) and isinstance(v, int)]
+    width = dense[0] if dense else target.get("intermediate_size")
+    return int(width) if isinstance(width, int) and width >= hidden else 3 * hidden
 
 
 def drafter_rope(target: dict[str, Any]) -> dict[str, Any]:
@@ -105,24 +124,65 @@ def drafter_geometry(target: dict[str, Any]) -> dict[str, Any]:
             num_attention_heads=heads,
             num_key_value_heads=int(target.get("num_key_value_heads") or heads),
         )
-    fields["intermediate_size"] = int(target.get("intermediate_size") or 3 * hidden)
+    fields["intermediate_size"] = mlp_width(target)
+    if (epsilon := norm_epsilon(target)) is not None:
+        fields["rms_norm_eps"] = epsilon
     fields["hidden_act"] = "silu"
     fields["rope_parameters"] = drafter_rope(target)
+    if problem := _partial_rotation_problem(target, fields["head_dim"]):
+        raise ValueError(problem)
     return fields
+
+
+def _partial_rotation_problem(target: dict[str, Any], head_dim: int) -> str | None:
+    """Why the target's RoPE cannot rotate the drafter's whole head: per-frequency factors (longrope's
+    short_factor and long_factor) sized for the target's partial rotation (Phi-4-mini: 0.75 of
+    128 dims, 48 factors). Dropping the factor rotates 64 frequencies; no reader can build that."""
+    params = target.get("rope_parameters") or target.get("rope_scaling") or {}
+    params = params.get("full_attention", params) if isinstance(params, dict) else {}
+    factor = params.get("partial_rotary_factor", target.get("partial_rotary_factor"))
+    if not isinstance(factor, (int, float)) or factor >= 1:
+        return None
+    frequencies = int(head_dim * factor) // 2
+    sized = sorted(k for k, v in params.items() if isinstance(v, list) and len(v) == frequencies)
+    if not sized:
+        return None
+    return (
+        f"the target's {params.get('rope_type') or params.get('type')} RoPE has {' and '.join(sized)} "
+        f"of {frequencies} entries, one per frequency of its partial rotation (partial_rotary_factor "
+        f"{factor} of head_dim {head_dim}); the drafter rotates its whole head ({head_dim // 2} "
+        "frequencies), as the reference and SGLang always do, so no drafter RoPE can be built from "
+        "them that every reader builds alike"
+    )
 
 
 def _rope_problem(config: Qwen3Config) -> str | None:
     """Why the drafter's rotary embedding cannot be built from `config`, if it cannot."""
-    rope = config.rope_parameters
+    # Per-frequency factor lists (longrope's) shown by their length: the message stays one short line.
+    rope = {k: f"<{len(v)} values>" if isinstance(v, list) else v for k, v in config.rope_parameters.items()}
     try:
         frequencies = rotary_embedding(config).inv_freq.numel()
-    except (KeyError, ValueError, TypeError) as error:
-        return f"the target's RoPE {rope} does not build a drafter rotary embedding ({error!r})"
+    except Exception as error:  # noqa: BLE001 - KeyError, ValueError, RuntimeError (a size mismatch), ...
+        cause = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        return f"the target's RoPE {rope} does not build a drafter rotary embedding ({cause})"
     if 2 * frequencies != config.head_dim:
         return (
             f"the target's RoPE {rope} rotates {2 * frequencies} of the drafter's {config.head_dim} head dims"
         )
     return None
+
+
+def _text_fields(target_config: dict[str, Any] | PretrainedConfig) -> dict[str, Any]:
+    """The target's text config as a dict under the trainer's field names (config/target_fields.py);
+    a config object also gives what it derives (NemotronH's layer count is a property)."""
+    if not isinstance(target_config, PretrainedConfig):
+        return with_standard_names(dict(target_config.get("text_config", target_config)))
+    text = target_config.get_text_config()
+    fields = text.to_dict()
+    for key in REQUIRED_TARGET_FIELDS:
+        if fields.get(key) is None:
+            fields[key] = getattr(text, key, None)
+    return with_standard_names(fields)
 
 
 def drafter_arch(config: PretrainedConfig) -> str:
@@ -151,10 +211,7 @@ def build_drafter_config(
     `scaling` (keys of SCALING_DEFAULTS; null or absent: what the target does, `target_scaling`)
     goes to `dflash_config`, only the non-default values, so a Qwen3 target's export is unchanged.
     """
-    if isinstance(target_config, PretrainedConfig):
-        target = target_config.get_text_config().to_dict()
-    else:
-        target = dict(target_config.get("text_config", target_config))
+    target = _text_fields(target_config)
     num_target_layers = int(target["num_hidden_layers"])
     problems = []
     if draft_layers < 1:
