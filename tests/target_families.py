@@ -60,6 +60,7 @@ class Family:
     fields: dict[str, Any] = field(default_factory=dict)
     text_config_class: str | None = None  # a multimodal wrapper's text config (the fields go there)
     wrapper_fields: dict[str, Any] = field(default_factory=dict)
+    kinds: tuple[str, ...] = ()  # what each layer is, where `layer_types` does not say it
 
 
 _QWEN35_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32)
@@ -161,10 +162,97 @@ FAMILIES: dict[str, Family] = {
             rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
         ),
     ),
+    # Families whose structure the trainer finds from the model rather than by name (issue 50).
+    "llama4": Family(
+        # get_decoder() is the CausalLM itself; MoE layers (1, 3) beside dense ones of
+        # intermediate_size_mlp; chunked attention on RoPE layers, no RoPE on the last.
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            intermediate_size_mlp=96,
+            interleave_moe_layer_step=2,
+            no_rope_layers=[1, 1, 1, 0],
+            attention_chunk_size=8,
+            norm_eps=1e-5,
+        ),
+        kinds=("chunked_attention",) * 3 + ("full_attention",),
+    ),
+    "nemotron_h": Family(
+        # No num_hidden_layers (the count is layers_block_type's), the embedding stored as
+        # backbone.embeddings.weight, layer_norm_epsilon; Mamba-2 mixers run one row per document.
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(
+            num_hidden_layers=None,
+            layers_block_type=["mamba", "mlp", "attention", "attention"],
+            mamba_num_heads=4,
+            mamba_head_dim=8,
+            ssm_state_size=8,
+            n_groups=1,
+            mamba_d_conv=4,
+            expand=1,
+            layer_norm_epsilon=1e-4,
+        ),
+        kinds=("mamba", "mlp", "full_attention", "full_attention"),
+    ),
+    "cohere": Family(
+        # Logits multiplied by logit_scale; the norm epsilon is layer_norm_eps.
+        "CohereConfig",
+        "CohereForCausalLM",
+        dict(logit_scale=0.25, layer_norm_eps=1e-4),
+    ),
+    "ernie4_5_moe": Family(
+        # The expert count is moe_num_experts (transformers' alias: num_experts).
+        "Ernie4_5_MoeConfig",
+        "Ernie4_5_MoeForCausalLM",
+        dict(
+            moe_num_experts=4,
+            moe_k=2,
+            moe_intermediate_size=16,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+        ),
+    ),
+    "minimax_m2": Family(
+        # intermediate_size is the experts' width (half the hidden size); half the head rotates.
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=16,
+            rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.5},
+        ),
+    ),
+}
+# Families the preflight refuses, with what the refusal says.
+REFUSED_FAMILIES: dict[str, tuple[Family, str]] = {
+    "phi4_mini": (
+        # longrope's factors are one per frequency of a 0.75 rotation, which no drafter rotating its
+        # whole head can use (docs/TARGETS.md).
+        Family(
+            "Phi3Config",
+            "Phi3ForCausalLM",
+            dict(
+                partial_rotary_factor=0.75,
+                original_max_position_embeddings=128,
+                rope_parameters={
+                    "rope_type": "longrope",
+                    "rope_theta": 10_000.0,
+                    "short_factor": [1.0, 1.5, 2.0],
+                    "long_factor": [2.0, 3.0, 4.0],
+                },
+            ),
+        ),
+        "long_factor and short_factor of 3 entries, one per frequency of its partial rotation",
+    ),
 }
 # What each of the 4 layers is, per family (default: full attention).
 LAYER_KINDS: dict[str, list[str]] = {
-    name: list(family.fields.get("layer_types", ["full_attention"] * 4)) for name, family in FAMILIES.items()
+    name: list(family.kinds or family.fields.get("layer_types", ["full_attention"] * 4))
+    for name, family in FAMILIES.items()
 }
 SEED = 11
 
@@ -173,14 +261,19 @@ def family_config(name: str) -> Any:
     """The family's transformers config (the wrapper's, for a multimodal layout)."""
     import transformers
 
-    family = FAMILIES[name]
+    family = _family(name)
     fields = {**COMMON, **family.fields, "dtype": "bfloat16"}
+    fields = {key: value for key, value in fields.items() if value is not None}
     if family.text_config_class is None:
         return getattr(transformers, family.config_class)(**fields)
     text_config = getattr(transformers, family.text_config_class)(**fields)
     return getattr(transformers, family.config_class)(
         text_config=text_config.to_dict(), tie_word_embeddings=False, **family.wrapper_fields
     )
+
+
+def _family(name: str) -> Family:
+    return FAMILIES[name] if name in FAMILIES else REFUSED_FAMILIES[name][0]
 
 
 def build_family_target(name: str, out_dir: Path) -> None:
@@ -192,7 +285,7 @@ def build_family_target(name: str, out_dir: Path) -> None:
         shutil.copyfile(stock / file, out_dir / file)
     config = family_config(name)
     torch.manual_seed(SEED)
-    model = getattr(transformers, FAMILIES[name].model_class)(config)
+    model = getattr(transformers, _family(name).model_class)(config)
     model.to(torch.bfloat16).save_pretrained(out_dir)
 
 
@@ -207,5 +300,5 @@ def ensure_family_target(name: str) -> Path:
 
 
 if __name__ == "__main__":
-    for family_name in FAMILIES:
+    for family_name in [*FAMILIES, *REFUSED_FAMILIES]:
         print(family_name, ensure_family_target(family_name))
