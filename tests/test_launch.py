@@ -216,7 +216,7 @@ def test_data_without_a_usable_record_is_refused_under_plain_torchrun_too(tmp_pa
     assert proc.returncode != 0 and "exitcode  : 2" in output, output[-3000:]
     # Every rank exits with the reason (torchrun may end the slower one before it prints).
     if name.endswith(".jsonl"):
-        assert re.search(r"dflash_mp: rank \d: refused: data: (\d+) of \1 sampled records \(100.0%\)", output)
+        assert re.search(r"dflash_mp: rank \d: refused: data: (\d+) of the \1 records are bad \(100.0%\)", output)
         assert f"{data}:1: " in output and "data.max_bad_fraction" in output
     else:
         assert re.search(rf"dflash_mp: rank \d: refused: data: {data}: not a readable Parquet file", output)
