@@ -184,8 +184,12 @@ def main(dict_cfg: DictConfig) -> int:
         from torch.distributed.elastic.multiprocessing.errors import record
 
         # @record inside Hydra's handler: Hydra turns exceptions into exit(1), so the rank's
-        # traceback must reach torchrun's error file before that.
-        record(run_rank)(dict_cfg)
+        # traceback must reach torchrun's error file before that. It is printed from there once
+        # (the launcher's root cause, torchrun's summary): not by Hydra too.
+        try:
+            record(run_rank)(dict_cfg)
+        except Exception:
+            raise SystemExit(1) from None
         return 0
     from dflash_mp.launch.sweep import launch_from_hydra
 

@@ -114,3 +114,31 @@ def test_the_agent_refuses_a_job_it_was_not_built_for():
         timeout=120,
     )
     assert proc.returncode != 0 and "runs `--standalone ... -m dflash_mp.train` jobs only" in proc.stderr
+
+
+def test_a_failed_rank_ends_the_agent_in_one_line_and_the_outcome_once(capsys, tmp_path):
+    """A rank's error is printed once, as the launcher's root cause: the agent says which rank(s)
+    failed in one line (not torchrun's summary repeating the traceback), and an error in the user's
+    data or config is given by its message alone (it names the file and the fix)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from dflash_mp.launch import agent
+    from dflash_mp.launch.outcome import first_failure
+
+    def failing() -> None:
+        failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(tmp_path / "none.json"))
+        raise ChildFailedError("_rank_main", {0: failure})
+
+    with pytest.raises(SystemExit) as caught:
+        agent._ending_on_a_signal_in_one_line(failing)
+    assert caught.value.code == 1
+    err = capsys.readouterr().err
+    assert err == "dflash_mp agent: rank(s) 0 failed; the root cause follows below\n"
+
+    stack = "Traceback (most recent call last):\n  File ...\n"
+    data_error = "DataError: d.jsonl: 200 of the 2000 records are bad (10.0%)"
+    for message, traceback_kept in ((data_error, False), ("RuntimeError: boom", True)):
+        errors = {0: {"message": message, "traceback": stack + message, "timestamp": 1.0}}
+        outcome = first_failure({}, vanished={}, errors=errors, targets=1)
+        assert outcome.summary == f"first failure: rank 0 (target) raised {message}"
+        assert bool(outcome.details) == traceback_kept, message

@@ -146,13 +146,29 @@ def _ending_on_a_signal_in_one_line(run_agent: Callable[[], object]) -> None:
     killed) makes the agent pass it on to the ranks and then raise SignalException: that ends the
     agent with one line in job.log instead of torchrun's stack (about 50 lines), exit 1 as before."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_without_rank_stack)
     try:
         run_agent()
     except SignalException as e:
         name = signal.Signals(e.sigval).name
         print(f"dflash_mp agent: stopped by {name}, which it passed on to the ranks", file=sys.stderr)
         sys.exit(1)
+    except ChildFailedError as e:
+        # torchrun's summary repeats the failed rank's traceback, which the launcher writes once,
+        # last, as the job's root cause (launch/outcome.py).
+        ranks = ", ".join(str(rank) for rank in sorted(e.failures))
+        print(f"dflash_mp agent: rank(s) {ranks} failed; the root cause follows below", file=sys.stderr)
+        sys.exit(1)
+
+
+def _without_rank_stack(record: logging.LogRecord) -> bool:
+    """torchrun's "failed (exitcode ...)" line without the agent's own stack (ProcessExitedException):
+    the rank's traceback is its error file's, written once as the root cause."""
+    if str(record.msg).startswith("failed (exitcode"):
+        record.exc_info, record.exc_text = None, None
+    return True
 
 
 class ForkedAgent:

@@ -158,6 +158,10 @@ def role_of_rank(rank: int, targets: int | None) -> str:
     return "target" if rank < targets else "drafter"
 
 
+# Errors in what the user gave (data, config, prompts), whose message says all: the job's last
+# lines give it without the rank's traceback.
+USER_ERRORS = ("DataError:", "EmptyData:", "ConfigError:", "TargetConfigError:", "EvalError:")
+
 # Final heartbeat states of a rank that ended its work; it then still has to exit by itself.
 ENDED_STATES = ("done", "preempted", "stopped")
 
@@ -215,6 +219,8 @@ def first_failure(
     if state == "hung":
         return Outcome("hung", EXIT_HUNG, f"rank {rank} ({role}) hung: {what}")
     details = errors[rank]["traceback"].splitlines() if rank in errors else []
+    if rank in errors and str(errors[rank]["message"]).startswith(USER_ERRORS):
+        details = []  # the message names the file, the field and the fix: no stack to read
     return Outcome("failed", EXIT_FAILED, f"first failure: rank {rank} ({role}) {what}", details)
 
 
