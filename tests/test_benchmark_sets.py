@@ -140,6 +140,18 @@ def test_missing_empty_and_compressed_files_are_refused(tmp_path: Path) -> None:
     (tmp_path / "HumanEval.jsonl.gz").write_bytes(b"\x1f\x8b\x08")
     with pytest.raises(BenchmarkError, match=r"decompress it first"):
         resolve_benchmark(str(tmp_path / "HumanEval.jsonl.gz"))
+    (tmp_path / "gsm8k.csv").write_text("question,answer\nWhat is 1+1?,2\n")
+    with pytest.raises(BenchmarkError) as caught:
+        resolve_benchmark(str(tmp_path / "gsm8k.csv"))
+    message = str(caught.value)
+    assert "gsm8k.csv: unsupported format (.csv)" in message and "malformed JSON" not in message
+    assert "JSONL (.jsonl), Parquet (.parquet), Arrow (.arrow)" in message
+    # json's own "... starting at" is not followed by a second "at".
+    (tmp_path / "cut.jsonl").write_text('{"question": "unterminated')
+    with pytest.raises(
+        BenchmarkError, match=r"cut.jsonl:1: malformed JSON \(Unterminated string starting at column 14\)"
+    ):
+        resolve_benchmark(str(tmp_path / "cut.jsonl"))
 
 
 def test_names_paths_and_labels(tmp_path: Path) -> None:

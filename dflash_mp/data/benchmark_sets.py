@@ -166,16 +166,35 @@ def _record(text: str, source: str) -> dict[str, Any]:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:
-        raise BenchmarkError(f"{source}: malformed JSON ({e.msg} at column {e.colno})") from None
+        from dflash_mp.data.records import malformed_json
+
+        raise BenchmarkError(f"{source}: {malformed_json(e)}") from None
     if not isinstance(record, dict):
         raise BenchmarkError(f"{source}: a record must be a JSON object, got {type(record).__name__}")
     return record
+
+
+# Suffixes read as JSONL; Parquet, Arrow and save_to_disk directories are told apart by theirs.
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+SUPPORTED = "JSONL (.jsonl), Parquet (.parquet), Arrow (.arrow) or a datasets save_to_disk directory"
+
+
+def _unsupported(path: str) -> str | None:
+    """Why `path` is in no format read here (a CSV or spreadsheet export), or None."""
+    from dflash_mp.data.sources import input_kind
+
+    suffix = Path(path).suffix.lower()
+    if input_kind(path) != "jsonl" or not suffix or suffix in JSONL_SUFFIXES or suffix == ".gz":
+        return None
+    return f"{path}: unsupported format ({suffix}); give the set as {SUPPORTED}"
 
 
 def _open(path: str) -> Any:
     from dflash_mp.data import DataError, EmptyData, open_records
     from dflash_mp.data.sources import input_problem
 
+    if _unsupported(path) is not None:
+        raise BenchmarkError(_unsupported(path))
     if path.startswith("hf:"):
         raise BenchmarkError(
             f"{path}: give a local copy of the set (a JSONL or Parquet file), not a hub name"
@@ -198,7 +217,7 @@ def _first_record(path: str) -> tuple[int, str]:
     preflight of every rank reads it, and LiveCodeBench's files are large)."""
     from dflash_mp.data.sources import input_kind
 
-    if input_kind(path) != "jsonl" or not os.path.isfile(path) or path.endswith(".gz"):
+    if input_kind(path) != "jsonl" or not os.path.isfile(path) or path.endswith(".gz") or _unsupported(path):
         _, row, text = _open(path).read(0)  # the checks and messages of a full read
         return row, text
     with open(path, "rb") as f:

@@ -65,11 +65,16 @@ def decode_line(raw: bytes | str) -> str:
     return raw.removeprefix("\ufeff")
 
 
+def malformed_json(e: json.JSONDecodeError) -> str:
+    """json's complaint with its column ("Unterminated string starting at" ends in "at" itself)."""
+    return f"malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
+
+
 def parse_json(text: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise RecordError("malformed JSON", f"malformed JSON ({e.msg} at column {e.colno})") from None
+        raise RecordError("malformed JSON", malformed_json(e)) from None
     except RecursionError:
         raise RecordError("malformed JSON", "malformed JSON (nested too deeply to parse)") from None
 

@@ -70,7 +70,9 @@ def prompt_records(paths: Sequence[str | Path], limit: int | None = None) -> lis
         try:
             prompts.append((source, prompt_messages(json.loads(line))))
         except json.JSONDecodeError as e:
-            raise EvalError(f"{source}: malformed JSON ({e.msg} at column {e.colno})") from None
+            from dflash_mp.data.records import malformed_json
+
+            raise EvalError(f"{source}: {malformed_json(e)}") from None
         except ValueError as e:
             raise EvalError(f"{source}: {e}") from None
     return prompts

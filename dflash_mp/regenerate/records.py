@@ -143,7 +143,9 @@ def parse_conversation(index: int, source: str, text: str) -> Conversation:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"malformed JSON ({e.msg} at column {e.colno})") from None
+        from dflash_mp.data.records import malformed_json
+
+        raise ValueError(malformed_json(e)) from None
     messages = chat_messages(record)
     for i, message in enumerate(messages):
         if message["role"] == "assistant" and (i == 0 or messages[i - 1]["role"] == "assistant"):
