@@ -175,7 +175,6 @@ FAMILIES: dict[str, Family] = {
             interleave_moe_layer_step=2,
             no_rope_layers=[1, 1, 1, 0],
             attention_chunk_size=8,
-            norm_eps=1e-5,
         ),
         kinds=("chunked_attention",) * 3 + ("full_attention",),
     ),

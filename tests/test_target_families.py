@@ -125,7 +125,6 @@ def test_partial_rotary_is_not_exported(name: str, tmp_path: Path) -> None:
     [
         ("llama4", "intermediate_size", 96),  # intermediate_size_mlp, not the experts' 64
         ("minimax_m2", "intermediate_size", 96),  # 3 x hidden, not the experts' 16
-        ("llama4", "rms_norm_eps", 1e-5),  # norm_eps
         ("cohere", "rms_norm_eps", 1e-4),  # layer_norm_eps
         ("nemotron_h", "rms_norm_eps", 1e-4),  # layer_norm_epsilon
         ("nemotron_h", "num_target_layers", 4),  # from layers_block_type
