@@ -122,7 +122,7 @@ def test_a_failed_rank_ends_the_agent_in_one_line_and_the_outcome_once(capsys, t
     data or config is given by its message alone (it names the file and the fix)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from dflash_mp.launch import agent
+    from dflash_mp.launch import agent, outcome
     from dflash_mp.launch.outcome import first_failure
 
     def failing() -> None:
@@ -133,7 +133,8 @@ def test_a_failed_rank_ends_the_agent_in_one_line_and_the_outcome_once(capsys, t
         agent._ending_on_a_signal_in_one_line(failing)
     assert caught.value.code == 1
     err = capsys.readouterr().err
-    assert err == "dflash_mp agent: rank(s) 0 failed; the root cause follows below\n"
+    assert err == "dflash_mp agent: rank 0 exitcode: 1 (pid: 1); the root cause follows below\n"
+    assert outcome._TORCHRUN_EXITCODE.findall(err) == [("1", "1")]  # the exit code the launcher reads
 
     stack = "Traceback (most recent call last):\n  File ...\n"
     data_error = "DataError: d.jsonl: 200 of the 2000 records are bad (10.0%)"

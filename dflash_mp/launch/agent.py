@@ -158,8 +158,12 @@ def _ending_on_a_signal_in_one_line(run_agent: Callable[[], object]) -> None:
     except ChildFailedError as e:
         # torchrun's summary repeats the failed rank's traceback, which the launcher writes once,
         # last, as the job's root cause (launch/outcome.py).
-        ranks = ", ".join(str(rank) for rank in sorted(e.failures))
-        print(f"dflash_mp agent: rank(s) {ranks} failed; the root cause follows below", file=sys.stderr)
+        # "exitcode: N (pid: P)" as in torchrun's summary: the launcher reads a signal's death there.
+        failed = "; ".join(
+            f"rank {rank} exitcode: {failure.exitcode} (pid: {failure.pid})"
+            for rank, failure in sorted(e.failures.items())
+        )
+        print(f"dflash_mp agent: {failed}; the root cause follows below", file=sys.stderr)
         sys.exit(1)
 
 
