@@ -79,9 +79,12 @@ def preflight(
             import torch
 
             uses_gpu = cfg.train.device != "cpu" and torch.cuda.is_available()
-            checks += [check_devices(cfg.train.device, per_node), check_backends(uses_gpu)]
+            checks += [check_devices(cfg.train.device, per_node, cfg.preset), check_backends(uses_gpu)]
             checks.append(check_attention(cfg.train.attention, cfg.train.dtype, uses_gpu))
         checks.append(check_target(cfg.model.target_path))
+        if not checks[-1].ok:  # a missing target is named once, by the target check
+            missing = f"model.target_path={str(cfg.model.target_path)!r}: no config.json there"
+            checks = [c for c in checks if not (c.name == "config" and c.message.startswith(missing))]
         # A config.json the config check refuses (it names the file) tells nothing of the kernels.
         if checks[0].ok and checks[-1].ok and _usable_target_config(cfg.model.target_path):
             import torch
@@ -156,6 +159,14 @@ def format_checks(checks: list[Check]) -> str:
     return "\n".join(f"{'ok' if c.ok else 'FAIL':4}  {c.name:8}  {c.message}" for c in checks)
 
 
+def count_line(checks: list[Check]) -> str:
+    """doctor's last line: how many checks ran, passed and failed (warnings pass)."""
+    bad = len(failed(checks))
+    warned = sum(1 for c in checks if c.ok and c.message.startswith("warning:"))
+    also = f" ({warned} with a warning)" if warned else ""
+    return f"{len(checks)} checks: {len(checks) - bad} ok{also}, {bad} failed"
+
+
 def check_imports() -> Check:
     found, missing = [], []
     for name in REQUIRED_MODULES:
@@ -190,10 +201,22 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def check_devices(requested: str, nproc_per_node: int) -> Check:
+# Presets made to run on CPU; every other one is a real target's recipe, made for GPUs.
+CPU_PRESETS = ("embedded", "smoke")
+
+
+def check_devices(requested: str, nproc_per_node: int, preset: str = "embedded") -> Check:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "auto" and gpus == 0 and preset and preset not in CPU_PRESETS:
+        return Check(
+            "devices",
+            True,
+            f"warning: no GPU is visible, so experiment={preset} (a GPU recipe) would run on CPU, "
+            f"{nproc_per_node} process(es) on gloo: check the driver and CUDA_VISIBLE_DEVICES, or set "
+            "train.device=cpu to mean it",
+        )
     if requested == "cpu" or (requested == "auto" and gpus == 0):
         return Check("devices", True, f"CPU, {nproc_per_node} process(es) on gloo")
     if gpus == 0:

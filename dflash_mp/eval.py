@@ -51,21 +51,32 @@ BENCHMARK_MAX_NEW_TOKENS = 2048
 # command line
 
 
-def _load_drafter(path: Path, step: int | None) -> tuple[DFlashDrafter, Path | None]:
-    """(drafter, its run directory if known) from an export, a checkpoint or a run directory."""
+def _load_drafter(path: Path, step: int | None) -> tuple[DFlashDrafter, Path | None, str]:
+    """(drafter, its run directory if known, which weights they are) from an export, a checkpoint
+    or a run directory."""
     from dflash_mp.export.hf import CONFIG_NAME, WEIGHTS_NAME, drafter_from_checkpoint, load_exported_drafter
+    from dflash_mp.run import checkpoint
 
     if (path / CONFIG_NAME).is_file() and (path / WEIGHTS_NAME).is_file():
         run_dir = path.parent if (path.parent / "config.yaml").is_file() else None
-        return load_exported_drafter(path), run_dir
+        return load_exported_drafter(path), run_dir, f"the export {path}"
     if (path / "drafter.safetensors").is_file():
         run_dir = path.parent.parent
-        return drafter_from_checkpoint(run_dir, checkpoint_dir=path), run_dir
+        number = path.name.removeprefix("step_")
+        scored = f"checkpoint step {int(number) if number.isdigit() else number} ({path})"
+        return drafter_from_checkpoint(run_dir, checkpoint_dir=path), run_dir, scored
     if (path / "config.yaml").is_file():
         export_dir = path / "export"
         if step is None and (export_dir / WEIGHTS_NAME).is_file():
-            return load_exported_drafter(export_dir), path
-        return drafter_from_checkpoint(path, step=step), path
+            return (
+                load_exported_drafter(export_dir),
+                path,
+                f"the export {export_dir} (--step N: a checkpoint)",
+            )
+        drafter = drafter_from_checkpoint(path, step=step)
+        if step is None:  # the newest, as drafter_from_checkpoint took it
+            step = int(checkpoint.complete_checkpoints(path / "checkpoints")[-1].name.removeprefix("step_"))
+        return drafter, path, f"checkpoint step {step} of {path}"
     raise EvalError(
         f"{path} is neither a run directory (config.yaml), an export (config.json + model.safetensors) "
         "nor a checkpoint (drafter.safetensors)"
@@ -165,7 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # A missing or unknown benchmark file is refused before anything heavy is read.
         benchmarks = resolve_benchmarks(args.benchmarks) if args.benchmarks else None
-        drafter, run_dir = _load_drafter(args.drafter, args.step)
+        drafter, run_dir, scored = _load_drafter(args.drafter, args.step)
+        print(f"dflash_mp.eval: scoring {scored}", flush=True)
         run_cfg = OmegaConf.load(run_dir / "config.yaml") if run_dir is not None else None
         target_path = args.target or (
             run_cfg.model.target_path if run_cfg is not None else str(embedded_path("target"))
@@ -235,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (EvalError, BenchmarkError, FileNotFoundError) as e:
         print(f"dflash_mp.eval: {e}", file=sys.stderr)
         return 2
-    result.update(drafter=str(args.drafter), target=str(target_path))
+    result.update(drafter=str(args.drafter), scored=scored, target=str(target_path))
     if benchmarks is None:
         result["prompt_files"] = [str(p) for p in prompt_files]
     if served is not None:

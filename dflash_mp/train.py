@@ -45,6 +45,7 @@ def run_rank(dict_cfg: DictConfig) -> None:
     from dflash_mp.runtime.job import run_job
 
     watchdog.die_with_agent()
+    _without_progress_bars()
     cfg = to_dataclass(dict_cfg)
     job, run_dir = _join_job(cfg)
     startup.resume()  # joined, with the training stack imported (above)
@@ -69,6 +70,16 @@ def run_rank(dict_cfg: DictConfig) -> None:
     dist.destroy_process_group()
     if job.rank == 0:
         append_job_log(run_dir, f"finished: {run_dir}")
+
+
+def _without_progress_bars() -> None:
+    """No Hugging Face progress bars in a rank ("Loading weights" per rank would fill job.log); the
+    rank's log lines say what it loads."""
+    import huggingface_hub.utils
+    import transformers.utils.logging
+
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
 
 
 def _join_job(cfg: RootConfig) -> tuple[Job, Path]:

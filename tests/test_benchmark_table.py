@@ -228,6 +228,14 @@ def test_the_training_evaluator_measures_each_benchmark(tiny: dict, sets: dict, 
     assert sorted(evaluator.benchmarks.conversations) == ["gsm8k", "mt"]
     measured = evaluator.measure(tiny["drafter"])
     assert sorted(measured) == ["tau", "tau/gsm8k", "tau/mt"] and all(v >= 1 for v in measured.values())
+    # The console's (and job.log's) line: every tau and the held-out prompts' acceptance by position.
+    from dflash_mp.runtime.job import eval_line
+
+    rates = evaluator.acceptance_rate
+    assert len(rates) == cfg.model.block_size - 1
+    line = eval_line(7, measured, rates)
+    assert line.startswith(f"eval at step 7: tau {measured['tau']:.3f} on the held-out prompts, tau/gsm8k ")
+    assert line.endswith("; acceptance by block position " + " ".join(f"{r:.2f}" for r in rates))
     # A target of the user's own (here a copy) with benchmarks and no data.eval_files: tau/<name> only.
     own_target = shutil.copytree(tiny["cfg"].model.target_path, tmp_path / "target")
     benchmarks_only = embedded_config(
@@ -260,4 +268,8 @@ def test_training_logs_tau_per_benchmark(sets: dict, tmp_path: Path) -> None:
     )
     last = read_metrics(run)[-1]
     assert last["step"] == 2 and {"tau", "tau/gsm8k", "tau/mt"} <= set(last)
+    assert (
+        f"eval at step 2: tau {last['tau']:.3f} on the held-out prompts"
+        in (run / "logs" / "job.log").read_text()
+    )
     assert last["tau/gsm8k"] >= 1 and last["tau/mt"] >= 1

@@ -242,6 +242,9 @@ def test_command_line_on_an_export(setup: dict, tmp_path: Path, capsys: pytest.C
     assert result["num_prompts"] == 2 and result["tau"] > 1 and result["matches_autoregressive"]
     printed = capsys.readouterr().out
     assert "tau (mean acceptance length)" in printed
+    # It says which weights it scored (an export, or a checkpoint and its step).
+    assert printed.startswith(f"dflash_mp.eval: scoring the export {export_dir}")
+    assert result["scored"] == f"the export {export_dir}"
 
     # tau by prompt length: data.max_length joins the chosen edges; a prompt on an edge is in the
     # bucket below it; the prompt past data.max_length is kept, in the bucket marked beyond it.
@@ -332,3 +335,20 @@ def test_tau_of_a_bucket_is_the_overall_rule_on_its_prompts() -> None:
     assert split["length_buckets"][1]["tau"] == statistics.fmean([5, 4, 1])
     assert split["length_buckets"][1]["tokens_per_target_forward"] == (10 + 2) / (3 + 2)
     assert "length_buckets" not in acceptance_summary(prompts, runs, None, 2, 16, 0.0)
+
+
+def test_the_command_line_names_the_checkpoint_it_scores(tmp_path: Path) -> None:
+    from dflash_mp.eval import _load_drafter
+    from dflash_mp.run import checkpoint
+
+    cfg = embedded_config()
+    run = tmp_path / "run"
+    run.mkdir()
+    OmegaConf.save(compose_config([]), run / "config.yaml", resolve=True)
+    for step in (7, 12):
+        state = checkpoint.TrainingState(step, build_drafter(cfg).state_dict(), {}, {})
+        checkpoint.save(run / "checkpoints", state, 2)
+    assert _load_drafter(run, None)[2] == f"checkpoint step 12 of {run}"  # the newest
+    assert _load_drafter(run, 7)[2] == f"checkpoint step 7 of {run}"
+    step_dir = checkpoint.complete_checkpoints(run / "checkpoints")[0]
+    assert _load_drafter(step_dir, None)[2] == f"checkpoint step 7 ({step_dir})"

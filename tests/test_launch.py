@@ -66,6 +66,44 @@ def test_a_bad_config_fails_before_any_worker_naming_every_field(tmp_path, entry
     assert not processes.holders_of(run / LOCK_NAME)
 
 
+def test_the_config_change_from_the_preset_is_one_line():
+    from dflash_mp.launch.launcher import config_changes
+
+    changed = config_changes(compose_config(["train.max_steps=7", "topology.targets=1", "run_dir=/x"]))
+    assert changed == (
+        "config: experiment=embedded with 2 change(s): topology.targets=1 (preset: 2), train.max_steps=7 "
+        "(preset: 1000)"
+    )
+    assert config_changes(compose_config([])) == "config: experiment=embedded as it is"
+    custom = config_changes(compose_config(["experiment=qwen3-8b", "optim.lr=1e-4"]))
+    assert custom.startswith("config: experiment=qwen3-8b with 1 change(s): optim.lr=0.0001 (preset: ")
+
+
+def test_doctor_names_a_missing_target_once_counts_its_checks_and_warns_of_a_gpu_preset_on_cpu(
+    tmp_path, monkeypatch
+):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    missing = tmp_path / "nowhere"
+    checks = doctor.preflight(
+        compose_config([f"model.target_path={missing}", "train.device=cpu"]), tmp_path / "run"
+    )
+    named = [c for c in checks if str(missing) in c.message and "no config.json" in c.message + c.name]
+    assert [c.name for c in doctor.failed(checks) if "is not a directory" in c.message] == ["target"]
+    assert not named, named  # the config check does not say it again
+    bad = len(doctor.failed(checks))
+    assert doctor.count_line(checks) == f"{len(checks)} checks: {len(checks) - bad} ok, {bad} failed"
+    gpu = doctor.preflight(
+        compose_config(["experiment=qwen3-8b", f"model.target_path={missing}"]), tmp_path / "run"
+    )
+    devices = next(c for c in gpu if c.name == "devices")
+    assert devices.ok and devices.message.startswith("warning: no GPU is visible, so experiment=qwen3-8b")
+    assert "(1 with a warning)" in doctor.count_line(gpu)
+    embedded = doctor.preflight(compose_config([]), tmp_path / "run")
+    assert next(c for c in embedded if c.name == "devices").message.startswith("CPU, ")
+
+
 def test_doctor_names_a_busy_port_and_a_target_without_weights(tmp_path):
     target = tmp_path / "target"
     target.mkdir()
@@ -216,7 +254,9 @@ def test_data_without_a_usable_record_is_refused_under_plain_torchrun_too(tmp_pa
     assert proc.returncode != 0 and "exitcode  : 2" in output, output[-3000:]
     # Every rank exits with the reason (torchrun may end the slower one before it prints).
     if name.endswith(".jsonl"):
-        assert re.search(r"dflash_mp: rank \d: refused: data: (\d+) of the \1 records are bad \(100.0%\)", output)
+        assert re.search(
+            r"dflash_mp: rank \d: refused: data: (\d+) of the \1 records are bad \(100.0%\)", output
+        )
         assert f"{data}:1: " in output and "data.max_bad_fraction" in output
     else:
         assert re.search(rf"dflash_mp: rank \d: refused: data: {data}: not a readable Parquet file", output)

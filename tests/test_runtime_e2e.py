@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -127,6 +128,15 @@ def test_run_directory_layout_and_metrics(runs):
         "rank2-drafter.log",
     }
     assert "rank 2 drafter" in (run / "logs" / "rank2-drafter.log").read_text()
+    # The job's log says what was launched and why it ended, without the ranks' progress bars.
+    job_log = (run / "logs" / "job.log").read_text()
+    assert re.search(
+        r"launching 3 process\(es\) with torchrun: \S+ -m dflash_mp.launch.agent .* -m dflash_mp.train ",
+        job_log,
+    )
+    assert f"reached train.max_steps={STEPS} (step {STEPS})" in job_log and "end of data" not in job_log
+    assert "Loading weights" not in job_log
+    assert "config: experiment=embedded with " in job_log and f"train.max_steps={STEPS} (preset: " in job_log
     first = read_metrics(run)[0]
     for key in (
         "step",

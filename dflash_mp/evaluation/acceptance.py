@@ -313,7 +313,11 @@ class AcceptanceEvaluator:
 
     def measure(self, drafter: DFlashDrafter) -> dict[str, float]:
         """What an evaluation step logs: tau on the held-out prompts, tau/<name> on each eval.benchmarks."""
-        taus = {"tau": self(drafter)["tau"]} if self.prompts else {}
+        self.acceptance_rate: list[float] = []  # per block position, of the held-out prompts
+        taus = {}
+        if self.prompts:
+            result = self(drafter)
+            taus["tau"], self.acceptance_rate = result["tau"], list(result["acceptance_rate"])
         return taus | self.benchmarks.taus(drafter, self.target)
 
 

@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_PREFLIGHT
         checks = doctor.preflight(dict_cfg, run_dir, args.nnodes, args.nproc_per_node, args.port)
         print(doctor.format_checks(checks))
+        print(doctor.count_line(checks))
         return EXIT_PREFLIGHT if doctor.failed(checks) else EXIT_SUCCEEDED
     started = time.monotonic()
     try:

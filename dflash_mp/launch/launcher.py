@@ -98,6 +98,9 @@ def _checked_launch(
         print(f"dflash_mp: {shown.name}: {shown.message}", file=sys.stderr, flush=True)
         append_job_log(run_dir, f"preflight {shown.name}: {shown.message}")
     append_job_log(run_dir, f"preflight: {len(checks)} checks passed")
+    changes = config_changes(dict_cfg)
+    print(f"dflash_mp: {changes}", file=sys.stderr, flush=True)
+    append_job_log(run_dir, changes)
     if dict_cfg.train.get("overwrite", False):
         removed = clear_run_dir(run_dir)
         append_job_log(
@@ -108,3 +111,50 @@ def _checked_launch(
     if detach:
         return start_detached(run_dir, nproc, targets, overrides, lock)
     return supervise(run_dir, nproc, targets, overrides, echo=True, lock=lock, zygote=zygote)
+
+
+# Keys every run sets for itself: no change of the recipe.
+OWN_KEYS = ("run_dir",)
+
+
+def config_changes(dict_cfg: DictConfig) -> str:
+    """One line: where the job's config differs from its preset's (conf/experiment/PRESET.yaml)."""
+    from omegaconf import OmegaConf
+
+    preset = str(dict_cfg.get("preset") or "")
+    try:
+        base = _compose([f"experiment={preset}"] if preset else [])
+    except Exception as e:  # the line informs; it never stops a launch
+        return f"config: not compared with its preset ({type(e).__name__}: {e})"
+    ours = _leaves(OmegaConf.to_container(dict_cfg, resolve=False))
+    theirs = _leaves(OmegaConf.to_container(base, resolve=False))
+    changed = [
+        f"{key}={ours.get(key, '(unset)')} (preset: {theirs.get(key, 'unset')})"
+        for key in sorted(ours.keys() | theirs.keys())
+        if ours.get(key) != theirs.get(key) and key not in OWN_KEYS
+    ]
+    name = f"experiment={preset}" if preset else "the default config"
+    if not changed:
+        return f"config: {name} as it is"
+    return f"config: {name} with {len(changed)} change(s): {', '.join(changed)}"
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    """conf/ composed with `overrides`, also inside a Hydra app (`python -m dflash_mp.train`)."""
+    from hydra import compose
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dflash_mp.config.schema import compose_config
+
+    if GlobalHydra.instance().is_initialized():
+        return compose("config", overrides=overrides)
+    return compose_config(overrides)
+
+
+def _leaves(node: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(node, dict) and node:
+        found: dict[str, object] = {}
+        for key, value in node.items():
+            found |= _leaves(value, f"{prefix}{key}.")
+        return found
+    return {prefix.rstrip("."): node}

@@ -10,6 +10,7 @@ the job's whole life.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -194,10 +195,11 @@ def supervise(
     (run_dir / "nccl_trace").mkdir(parents=True, exist_ok=True)
     become_subreaper()
     echo_to_terminal = _Echo(job_log_path(run_dir)) if echo else None
-    append_job_log(run_dir, f"launching {nproc} process(es) with torchrun: {' '.join(overrides)}")
+    command = torchrun_command(nproc, overrides, run_dir, log_dir)
+    append_job_log(run_dir, f"launching {nproc} process(es) with torchrun: {shlex.join(command)}")
     started = time.monotonic()
     agent = start_agent(
-        torchrun_command(nproc, overrides, run_dir, log_dir),
+        command,
         job_environment(run_dir, job_id),
         job_log_path(run_dir),
         lock.fd,

@@ -205,9 +205,9 @@ class RunRecorder:
         if self.evaluator is not None and (step % self.cfg.eval.every == 0 or step == self.steps):
             watchdog.beat("eval", self.trainer.step)
             with self.trainer.full_precision_weights():
-                record.update(
-                    self.evaluator.measure(self.trainer.drafter)
-                )  # tau, and tau/<name> per eval.benchmarks
+                measured = self.evaluator.measure(self.trainer.drafter)  # tau, tau/<name> per benchmark
+            record.update(measured)
+            get_logger().info(eval_line(step, measured, self.evaluator.acceptance_rate))
             self.trainer.restart_step_clock()  # evaluation time is not training throughput
         self.metrics.log(record)
         if self.checkpoint_due(step):
@@ -235,3 +235,13 @@ class RunRecorder:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+def eval_line(step: int, measured: dict[str, float], acceptance_rate: list[float]) -> str:
+    """The console's (and job.log's) line of an evaluation during training."""
+    parts = [f"tau {measured['tau']:.3f} on the held-out prompts"] if "tau" in measured else []
+    parts += [f"{name} {value:.3f}" for name, value in measured.items() if name != "tau"]
+    line = f"eval at step {step}: {', '.join(parts) or 'nothing measured'}"
+    if acceptance_rate:
+        line += "; acceptance by block position " + " ".join(f"{rate:.2f}" for rate in acceptance_rate)
+    return line

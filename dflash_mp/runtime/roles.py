@@ -254,7 +254,14 @@ def run_drafter(cfg: RootConfig, job: Job, trainer, start_step: int, steps: int,
     final = receiver.next()
     if not final.end_of_data:
         raise RuntimeError(f"expected the end-of-data flag at micro-batch {final.index}")
-    log.info("end of data after step %d", trainer.step)
+    log.info(finished_line(cfg, trainer.step))
+
+
+def finished_line(cfg: RootConfig, step: int) -> str:
+    """What ended the run: train.max_steps, or the last whole step of train.epochs passes."""
+    if cfg.train.max_steps > 0:
+        return f"reached train.max_steps={cfg.train.max_steps} (step {step})"
+    return f"end of data after step {step} (train.epochs={cfg.train.epochs})"
 
 
 def _balance(receiver: Receiver, targets: dict[int, tuple[float, float]]) -> dict:
