@@ -71,3 +71,10 @@ def test_a_dflash2_run_gets_the_selector_plot(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert main([str(tmp_path)]) == 0
     assert (tmp_path / "plots" / "selector.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_the_throughput_axis_is_set_by_the_steady_steps() -> None:
+    from dflash_mp.run.plots import steady_top
+
+    rates = [5000.0] + [4.0 + 0.1 * (i % 3) for i in range(40)]  # the first step's odd rate
+    assert 4.2 < steady_top(rates) < 6.0

@@ -32,6 +32,13 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return [s for s, _ in points], [v for _, v in points]
 
 
+def steady_top(values: list[float]) -> float:
+    """An axis top for a rate: 1.2x the 95th percentile after the first step, whose compile or
+    warm-up time would otherwise set the scale."""
+    steady = sorted(values[1:])
+    return 1.2 * steady[min(len(steady) - 1, int(0.95 * len(steady)))]
+
+
 def _smooth(values: list[float], window: int) -> list[float]:
     """Trailing moving average: per-step metrics of small batches are noisy."""
     out, total = [], 0.0
@@ -70,7 +77,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     for key, title in (
         ("loss", "training loss (decay-weighted CE)"),
         ("tau", "acceptance length tau (speculative decoding eval)"),
-        ("samples_per_s", "throughput (sequences / s, drafter side)"),
+        ("samples_per_s", "throughput (rows / s, drafter side)"),
     ):
         steps, values = _series(records, key)
         if not steps:
@@ -83,6 +90,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             axes.plot(steps, _smooth(values, window), label=f"mean of {window} steps")
             axes.legend(fontsize="small")
         axes.set(xlabel="optimizer step", ylabel=key, title=title)
+        if key == "samples_per_s" and len(values) > 2:
+            axes.set_ylim(0, steady_top(values))
         axes.grid(alpha=0.3)
         save(figure, key)
 
