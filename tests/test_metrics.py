@@ -66,3 +66,12 @@ def test_a_job_whose_every_step_was_skipped_fails_naming_the_reasons():
     tally.add(_record(6, skipped=False, skip_reason=None))
     tally.require_training()  # one applied step: it trained
     StepTally().require_training()  # no step at all (nothing was due): not this failure
+
+
+def test_the_progress_line_shows_tokens_per_second_and_the_peak_memory(tmp_path, monkeypatch):
+    lines = []
+    monkeypatch.setattr("dflash_mp.run.metrics.get_logger", lambda: type("L", (), {"info": lines.append})())
+    metrics = _logger(tmp_path)
+    metrics.log(_record(10, tokens_per_s=12345.0, peak_memory_gib=40.31))
+    metrics.close()
+    assert "12345 tokens/s" in lines[-1] and "peak 40.3 GiB" in lines[-1]

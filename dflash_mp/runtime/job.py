@@ -84,6 +84,8 @@ def run_job(cfg: RootConfig, job: Job, run_dir: Path) -> None:
             copies = sum(param.numel() for param in trainer.working.master_of)
             log.info("drafter: %.0fM matmul weights as bf16 copies of fp32 masters", copies / 1e6)
     train(cfg, job, trainer, start_step, steps, run_role, recorder)
+    if job.device.type == "cuda":  # every drafter's own high-water mark, in its log
+        log.info("peak GPU memory %.1f GiB", torch.cuda.max_memory_allocated(job.device) / 2**30)
     if recorder is not None:
         finish(cfg, run_dir, trainer)
 
