@@ -331,15 +331,8 @@ def drafter_loss(
     arguments, made earlier; None makes them here.
     """
     if blocks is None:
-        blocks = loss_blocks(
-            drafter,
-            batch,
-            seed=seed,
-            num_anchors=num_anchors,
-            gamma=gamma,
-            attention=attention,
-            row_tokens=row_tokens,
-        )
+        options = dict(seed=seed, num_anchors=num_anchors, gamma=gamma, attention=attention)
+        blocks = loss_blocks(drafter, batch, **options, row_tokens=row_tokens)
     drafter_module = getattr(drafter, "module", drafter)
     input_ids = batch.input_ids
     batch_size, seq_len = input_ids.shape

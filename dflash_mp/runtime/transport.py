@@ -51,8 +51,7 @@ _H_BAD_RECORDS, _H_SENDER_BUSY_US, _H_SENDER_WAIT_US, _H_TOO_LONG = 9, 10, 11, 1
 
 
 def pack_tokens(input_ids, loss_mask, lengths, sample_ids, document_ids=None) -> torch.Tensor:
-    """The small integer tensors as one contiguous int64 tensor (one message): [B, 2S+2], and
-    [B, 3S+2] with packed rows' document ids."""
+    """The small integer tensors as one int64 message: [B, 2S+2], [B, 3S+2] with document ids."""
     parts = [input_ids.long(), loss_mask.long(), lengths.long()[:, None], sample_ids.long()[:, None]]
     if document_ids is not None:
         parts.append(document_ids.long())
@@ -64,16 +63,13 @@ def token_columns(seq_len: int, packed: bool) -> int:
 
 
 def unpack_tokens(tokens: torch.Tensor, seq_len: int):
-    """(input_ids, loss_mask, lengths, sample_ids) of `pack_tokens`' message."""
-    s = seq_len
+    s = seq_len  # (input_ids, loss_mask, lengths, sample_ids) of `pack_tokens`' message
     return tokens[:, :s], tokens[:, s : 2 * s], tokens[:, 2 * s], tokens[:, 2 * s + 1]
 
 
 def unpack_document_ids(tokens: torch.Tensor, seq_len: int) -> torch.Tensor | None:
     """The packed rows' document ids of `pack_tokens`' message; None for unpacked rows."""
-    if tokens.shape[1] == token_columns(seq_len, packed=False):
-        return None
-    return tokens[:, 2 * seq_len + 2 :]
+    return tokens[:, 2 * seq_len + 2 :] if tokens.shape[1] > 2 * seq_len + 2 else None
 
 
 @dataclass
