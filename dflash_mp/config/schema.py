@@ -127,6 +127,20 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
     # Gradient-norm clipping threshold (0 disables clipping).
     grad_clip: float = 1.0
+    # "adamw", or "muon": Muon on the hidden layers' matrices (nn.Linear weights), AdamW (the
+    # fields above) on the rest; both at the scheduled lr (conf/optim/muon.yaml, docs/recipes.md).
+    name: str = "adamw"
+    # muon: momentum (EMA, Nesterov) of the Muon matrices.
+    muon_momentum: float = 0.95
+    # muon: Nesterov momentum on the Muon matrices.
+    muon_nesterov: bool = True
+    # muon: decoupled weight decay of the Muon matrices (optim.weight_decay is the AdamW part's).
+    muon_weight_decay: float = 0.1
+    # muon: Newton-Schulz iterations per update.
+    muon_ns_steps: int = 5
+    # muon: per-matrix lr scale, torch.optim.Muon's adjust_lr_fn: "match_rms_adamw" (0.2 *
+    # sqrt(max(rows, cols)), Moonshot's; the lr of AdamW carries over) or "original" (Keller Jordan's).
+    muon_adjust_lr: str = "match_rms_adamw"
 
 
 @dataclass
@@ -159,6 +173,11 @@ class TrainConfig:
     # Loss decay over block positions: weight exp(-(k-1)/gamma); null: 1 + 3*block_size/8
     # (7 for block 16 as in the paper, 4 for block 8 as the published block-8 recipes).
     gamma: float | None = None
+    # Weights of the block positions in the loss: "decay" (the gamma decay above) or "dpace"
+    # (D-PACE: from the drafter's own confidences, the field's recipe; objective/position_weights.py).
+    position_weights: str = "decay"
+    # dpace: smoothing of the confidences toward 1, in (0, 1].
+    dpace_alpha: float = 0.5
     # Save a checkpoint every this many optimizer steps (0: only at the end).
     checkpoint_every: int = 0
     # Checkpoints kept on disk (oldest removed first).

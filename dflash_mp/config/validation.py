@@ -15,6 +15,21 @@ from dflash_mp.config.schema import CONF_DIR, ConfigError, RootConfig, is_embedd
 from dflash_mp.config.target_checks import target_problems
 
 
+def _validate_muon(problems: list[str], o: Any) -> None:
+    """optim.name and, for optim=muon, the Muon fields (training/muon.py)."""
+    _choice(problems, "optim.name", o.name, ("adamw", "muon"))
+    if o.name != "muon":
+        return
+    if not (isinstance(o.muon_momentum, (int, float)) and 0.0 <= o.muon_momentum < 1.0):
+        problems.append(f"optim.muon_momentum={o.muon_momentum!r}: must be in [0, 1), e.g. 0.95")
+    _at_least(problems, "optim.muon_weight_decay", o.muon_weight_decay, 0.0)
+    if not (isinstance(o.muon_ns_steps, int) and 1 <= o.muon_ns_steps < 100):
+        problems.append(f"optim.muon_ns_steps={o.muon_ns_steps!r}: must be an integer in [1, 100), e.g. 5")
+    _choice(problems, "optim.muon_adjust_lr", o.muon_adjust_lr, ("match_rms_adamw", "original"))
+    if not isinstance(o.muon_nesterov, bool):
+        problems.append(f"optim.muon_nesterov={o.muon_nesterov!r}: must be true or false")
+
+
 def _choice(problems: list[str], name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         problems.append(f"{name}={value!r}: must be one of {', '.join(map(repr, allowed))}")
@@ -174,6 +189,7 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
     _at_least(problems, "optim.grad_clip", o.grad_clip, 0.0, " (0 disables clipping)")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         problems.append(f"optim.betas={list(o.betas)!r}: must be two numbers in [0, 1)")
+    _validate_muon(problems, o)
 
     if tr.max_steps != -1:
         _at_least(problems, "train.max_steps", tr.max_steps, 1, " (or -1 to derive from train.epochs)")
@@ -183,6 +199,12 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
     _at_least(problems, "train.seed", tr.seed, 0)
     if tr.gamma is not None and not (isinstance(tr.gamma, (int, float)) and tr.gamma > 0):
         problems.append(f"train.gamma={tr.gamma!r}: must be > 0, or null for the block size's default")
+    _choice(problems, "train.position_weights", tr.position_weights, ("decay", "dpace"))
+    if not (isinstance(tr.dpace_alpha, (int, float)) and 0.0 < tr.dpace_alpha <= 1.0):
+        problems.append(
+            f"train.dpace_alpha={tr.dpace_alpha!r}: must be in (0, 1], e.g. 0.5 (D-PACE's smoothing "
+            "of the confidences; 0 would let one unlikely position zero every later weight)"
+        )
     _at_least(problems, "train.checkpoint_every", tr.checkpoint_every, 0, " (0: only at the end)")
     _at_least(problems, "train.keep_checkpoints", tr.keep_checkpoints, 1)
     if tr.resume and tr.overwrite:

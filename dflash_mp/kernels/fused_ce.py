@@ -60,6 +60,28 @@ def ce_and_grad_in_place(
     return row_loss.sum(), logits, correct
 
 
+def row_cross_entropy(
+    logits: Tensor, labels: Tensor, multiplier: float = 1.0, softcap: float | None = None
+) -> Tensor:
+    """fp32 CE [M] of each row of logits [M, V] as `ce_and_grad_in_place` reads them, without a
+    gradient and leaving `logits` as they are: its statistics pass alone (D-PACE's confidences)."""
+    rows, vocab = logits.shape
+    if logits.stride(-1) != 1:
+        raise ValueError(f"row_cross_entropy: logits of strides {logits.stride()}, need rows contiguous")
+    row_loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return row_loss
+    labels = labels.contiguous()
+    scale = torch.ones(rows, dtype=torch.float32, device=logits.device)
+    log_normaliser = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    correct = torch.empty(rows, dtype=torch.bool, device=logits.device)
+    capped = softcap is not None and softcap > 0
+    shared = (vocab, logits.stride(0), float(multiplier), float(softcap) if capped else 1.0)
+    options = {"SOFTCAP": capped, "TILE": _TILE, "num_warps": 8}
+    _row_statistics[(rows,)](logits, labels, scale, log_normaliser, row_loss, correct, *shared, **options)
+    return row_loss
+
+
 if triton is not None:
 
     @triton.jit

@@ -21,6 +21,7 @@ from dflash_mp.kernels.fused_ce import ce_and_grad_in_place, fused_ce_runs_on
 from dflash_mp.kernels.top_k import top_k_ids
 from dflash_mp.models.block_rows import BlockRows, scored_rows
 from dflash_mp.objective.draft_blocks import DraftBlocks, context_positions, draft_blocks
+from dflash_mp.objective.position_weights import loss_row_weights
 from dflash_mp.objective.selector_loss import SelectorStats, TopK, selector_loss
 
 
@@ -200,11 +201,12 @@ def chunked_lm_head_loss(
     multiplier: float = 1.0,
     softcap: float | None = None,
     scored_only: bool = False,
+    dpace_alpha: float | None = None,
 ) -> tuple[Tensor, LossStats]:
     """`decay_weighted_ce(scale_logits(hidden @ head_weight.T), ...)` without materialising all
     logits (see `lm_head_loss_and_candidates`)."""
     loss, stats, _ = lm_head_loss_and_candidates(
-        hidden, head_weight, labels, weights, 0, chunk_tokens, multiplier, softcap, scored_only
+        hidden, head_weight, labels, weights, 0, chunk_tokens, multiplier, softcap, scored_only, dpace_alpha
     )
     return loss, stats
 
@@ -219,6 +221,7 @@ def lm_head_loss_and_candidates(
     multiplier: float = 1.0,
     softcap: float | None = None,
     scored_only: bool = False,
+    dpace_alpha: float | None = None,
 ) -> tuple[Tensor, LossStats, Tensor]:
     """`decay_weighted_ce(scale_logits(hidden @ head_weight.T, multiplier, softcap), ...)` without
     materialising all logits.
@@ -231,14 +234,16 @@ def lm_head_loss_and_candidates(
     and nothing reads back from the GPU, so a compiled step never waits on the host here.
     Also returns the DFlash 2 selector's candidates, a `TopK`: the top-`top_k` head ids of every
     scored row, [B*N*(Bs-1), top_k] sorted by logit ([.., 0] when top_k is 0), with their raw
-    logits and the label's (detached: `selector_loss` gives them their gradient).
+    logits and the label's (detached: `selector_loss` gives them their gradient). `dpace_alpha`:
+    D-PACE weights (position_weights.py) in place of the decay in `weights`.
     """
     batch, num_blocks, block_size = labels.shape
     scored_hidden = hidden if scored_only else scored_rows(hidden, block_size)
     scored_hidden = scored_hidden.reshape(-1, hidden.shape[-1])
     scored_labels = labels[:, :, 1:].reshape(-1)
-    scored_weights = weights[:, :, 1:].reshape(-1).float()
-    weight_sum = weights.float().sum()
+    options = (dpace_alpha, multiplier, softcap, chunk_tokens)
+    row_weights = loss_row_weights(scored_hidden, head_weight, scored_labels, weights, *options)
+    scored_weights, weight_sum = row_weights
     # clamp_min: an all-zero-weight batch gives 0 / tiny = 0, not NaN, and keeps the graph.
     scale = scored_weights / weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
     loss, correct, ids, candidate_logits, label_logits = _LinearCrossEntropy.apply(
@@ -252,7 +257,7 @@ def lm_head_loss_and_candidates(
         multiplier,
         softcap,
     )
-    scored = (scored_weights > 0).view(-1, block_size - 1)
+    scored = (weights[:, :, 1:] > 0).reshape(-1, block_size - 1)
     zero = torch.zeros(1, dtype=torch.long, device=weights.device)
     correct_by_index = torch.cat([zero, (correct.view_as(scored) & scored).sum(0)])
     count_by_index = torch.cat([zero, scored.sum(0)])
@@ -316,6 +321,7 @@ def drafter_loss(
     selector_gold: str = "drop",
     blocks: DraftBlocks | None = None,
     row_tokens: int | None = None,
+    dpace_alpha: float | None = None,
 ) -> tuple[Tensor, LossStats]:
     """The DFlash loss of one micro-batch; shared by the reference trainer and the drafter ranks.
 
@@ -328,7 +334,8 @@ def drafter_loss(
     returns [B, N*Bs, H]. `attention` picks the mask form: "flex" (BlockMask, GPU), "flash"
     (TileMask for FlashAttention 4, Hopper and newer) or "sdpa" (dense bool mask; CPU, where
     flex_attention has no backward). `blocks`: `loss_blocks` of this batch with the same
-    arguments, made earlier; None makes them here.
+    arguments, made earlier; None makes them here. `dpace_alpha`: train.position_weights=dpace
+    (position_weights.py), None: the decay.
     """
     if blocks is None:
         options = dict(seed=seed, num_anchors=num_anchors, gamma=gamma, attention=attention)
@@ -375,11 +382,13 @@ def drafter_loss(
                 multiplier=multiplier,
                 softcap=softcap,
                 scored_only=sparing,
+                dpace_alpha=dpace_alpha,
             )
     with record_function("dflash::lm_head_ce"):
         loss, stats, candidates = lm_head_loss_and_candidates(
-            hidden, head_weight, labels, weights, selector.top_k, multiplier=multiplier, softcap=softcap
-        )
+            hidden, head_weight, labels, weights, selector.top_k, multiplier=multiplier, softcap=softcap,
+            dpace_alpha=dpace_alpha,
+        )  # fmt: skip
     with record_function("dflash::selector"):
         term, stats["selector"] = selector_loss(
             selector,
@@ -392,5 +401,6 @@ def drafter_loss(
             selector_gold,
             multiplier=multiplier,
             softcap=softcap,
+            dpace_alpha=dpace_alpha,
         )
     return loss + selector_alpha * term, stats

@@ -32,6 +32,7 @@ from torch import Tensor
 from dflash_mp.kernels.weighted_rows import weighted_row_sum
 from dflash_mp.models.dflash2 import CandidateSelector
 from dflash_mp.models.drafter import scale_logits
+from dflash_mp.objective.position_weights import dpace_weights
 
 # Per-block-index counts, summed over micro-batches and ranks like LossStats' correct/count.
 SELECTOR_COUNTS = ("topk_hits", "selector_correct", "served_accepted", "unary_accepted")
@@ -119,8 +120,10 @@ def selector_loss(
     chunk_rows: int = 2048,
     multiplier: float = 1.0,
     softcap: float | None = None,
+    dpace_alpha: float | None = None,
 ) -> tuple[Tensor, SelectorStats]:
-    """The selector term sum(w * CE_sel) / weight_sum and its metrics.
+    """The selector term sum(w * CE_sel) / weight_sum and its metrics; with `dpace_alpha`, w are
+    D-PACE weights from CE_sel itself (position_weights.py), as speculators' selector loss takes them.
 
     hidden [B, N*Bs, H] (the drafter's output), candidates [B*N*(Bs-1), K] (the unary top-K of
     block indices 1..Bs-1, sorted by logit; a `TopK` from the LM-head loss also brings their
@@ -173,6 +176,7 @@ def selector_loss(
         position_weights,
         weight_sum,
         block_size - 1,
+        dpace_alpha,
     )
     return loss, stats
 
@@ -192,6 +196,7 @@ def _selector_terms(
     position_weights: Tensor,
     weight_sum: Tensor,
     steps: int,
+    dpace_alpha: float | None = None,
 ) -> tuple[Tensor, SelectorStats]:
     """The selector's K-way cross-entropy over `loss_candidates` and the metrics (rows = scored
     block positions, `steps` = Bs - 1 per block: [blocks * steps])."""
@@ -199,6 +204,10 @@ def _selector_terms(
     projected = selector.hidden_projection(scored_hidden)
     scores = unary + selector.pair_scores(projected, predecessors, loss_candidates).float()
     ce = torch.logsumexp(scores, dim=-1) - scores.gather(-1, gold_index[:, None])[:, 0]
+    if dpace_alpha is not None:  # a dropped label is a position D-PACE does not score
+        by_block = (-1, steps)
+        scored = (loss_weights > 0).view(by_block)
+        loss_weights = dpace_weights(ce.view(by_block), scored, dpace_alpha).flatten()
     loss = (loss_weights * ce).sum() / weight_sum.clamp_min(torch.finfo(torch.float32).tiny)
 
     with torch.no_grad():

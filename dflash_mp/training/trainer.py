@@ -26,6 +26,7 @@ from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.target_checkpoint import load_embedding_and_head
 from dflash_mp.objective.block_diffusion import drafter_loss, loss_blocks, per_position_accuracy
 from dflash_mp.objective.draft_blocks import DraftBlocks
+from dflash_mp.objective.position_weights import dpace_alpha_of
 from dflash_mp.objective.selector_loss import selector_metrics
 from dflash_mp.run import checkpoint
 from dflash_mp.training.features import Features
@@ -181,6 +182,7 @@ class DrafterTrainer:
                 selector_alpha=self.cfg.model.selector_loss_alpha,
                 selector_gold=self.cfg.model.selector_gold_outside_top_k,
                 blocks=prepared.blocks,
+                dpace_alpha=dpace_alpha_of(self.cfg.train),
             )
             if empty:
                 loss = loss * 0.0
