@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from transformers import DeepseekV3Config, Lfm2Config, LlamaConfig
 
-from dflash_mp.models import linear_attention, packed_target, target_graphs
+from dflash_mp.models import linear_attention, packed_target, target_graphs, target_kernels
 from dflash_mp.models.packed_rows import document_index, document_positions, single_document_ids
 from dflash_mp.models.target import TargetFeatureExtractor
 from dflash_mp.runtime.target_parallel import replica_mesh
@@ -184,11 +184,14 @@ def test_mla_keeps_documents_in_rows() -> None:
         v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
         n_group=1, topk_group=1, first_k_dense_replace=1,
     )  # fmt: skip
-    extractor = TargetFeatureExtractor.build_random(config, [0, 2], torch.float32, "cpu", seed=2)
-    ids, document_ids = _packed_batch(seed=4)
-    packed = extractor(ids % 128, document_ids)
-    assert extractor.packing.in_rows, extractor.packing.describe()
-    assert _worst_document_error(extractor, ids % 128, packed) < TOLERANCE
+    ids, document_ids = _packed_batch(seed=4, vocab=128)
+    for packed_rows in (False, True):  # SDPA's masks; flex with its value heads wider than 16
+        extractor = TargetFeatureExtractor.build_random(config, [0, 2], torch.float32, "cpu", seed=2)
+        if packed_rows:
+            assert extractor.use_fast_kernels(packed_rows=True)["attention"] == target_kernels.DOCUMENT_FLEX
+        packed = extractor(ids, document_ids)
+        assert extractor.packing.in_rows, extractor.packing.describe()
+        assert _worst_document_error(extractor, ids, packed) < TOLERANCE
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -201,6 +204,24 @@ def test_the_sink_attention_kernel_keeps_documents_apart() -> None:
     ids, document_ids = _packed_batch(seed=5)
     packed = extractor(ids, document_ids)
     assert extractor.packing.in_rows
+    assert _worst_document_error(extractor, ids, packed) < TOLERANCE
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("name", ["llama3", "qwen3_5", "llama4"])
+def test_packed_rows_of_sdpa_targets_take_flex_with_a_block_mask_per_document(name: str) -> None:
+    """use_fast_kernels(packed_rows=True) (data.packing on GPU, here run as is on CPU): a target on
+    SDPA with causal or windowed masks (plain, hybrid with gated deltanets) takes flex_attention
+    with the documents in its block mask, and every document still equals it alone; chunked
+    attention (Llama 4) and softcapped scores keep SDPA's masks."""
+    extractor = TargetFeatureExtractor(ensure_family_target(name), LAYER_IDS, torch.float32, "cpu")
+    kernels = extractor.use_fast_kernels(packed_rows=True)
+    assert (kernels["attention"] == target_kernels.DOCUMENT_FLEX) == (name != "llama4"), kernels
+    assert not target_kernels.takes_document_flex(LlamaConfig(attn_logit_softcapping=30.0))
+    vocab = extractor.decoder.config.vocab_size
+    ids, document_ids = _packed_batch(seed=8, vocab=vocab)
+    packed = extractor(ids, document_ids)
+    assert extractor.packing.in_rows, extractor.packing.describe()
     assert _worst_document_error(extractor, ids, packed) < TOLERANCE
 
 
@@ -303,7 +324,7 @@ def test_compiled_graphed_packed_forward_equals_each_document_alone(family: str)
     config = _qwen3() if family == "qwen3" else KERNEL_FAMILIES[family]()
     layer_ids = [0, config.num_hidden_layers - 1]
     extractor = TargetFeatureExtractor.build_random(config, layer_ids, torch.bfloat16, "cuda", seed=0)
-    extractor.use_fast_kernels()
+    extractor.use_fast_kernels(packed_rows=True)  # Qwen3: flex with a block mask per document
     extractor.compile_layers()
     layouts = [[[150, 1, 105], [200, 30]], [[64, 64, 128], [7, 120, 60]]]  # 256 wide, 4 chunks of 64
     batches = [

@@ -163,12 +163,16 @@ def random_target(
     seed: int,
     compile_layers: bool,
     mesh: DeviceMesh | None = None,
+    packed_rows: bool = False,
 ) -> TargetFeatureExtractor:
     """The random target, layer by layer on `device`; with `mesh` this rank's tensor-parallel share
-    of it (the same weights for the same seed: a layer is never whole on the device for long)."""
+    of it (the same weights for the same seed: a layer is never whole on the device for long).
+    On GPU with the runtime's kernels (`packed_rows`: for --data chat-packed, as data.packing)."""
     extractor = TargetFeatureExtractor.build_random(
         shape.target_config(), shape.layer_ids, dtype, device, seed=seed, mesh=mesh
     )
+    if device.type == "cuda":
+        extractor.use_fast_kernels(packed_rows=packed_rows)
     if compile_layers:  # as the runtime does (train.compile)
         extractor.compile_layers()
     return extractor

@@ -40,7 +40,12 @@ def run(bench: BenchState) -> dict:
     start = time.perf_counter()
     if bench.extractor is None:
         bench.extractor = bl.random_target(
-            bench.shape, bench.dtype, bench.device, seed=bench.args.seed + 10, compile_layers=bench.compiled
+            bench.shape,
+            bench.dtype,
+            bench.device,
+            seed=bench.args.seed + 10,
+            compile_layers=bench.compiled,
+            packed_rows=bench.args.data == "chat-packed",
         )
     # DDP over every rank; on 1 rank no group, so no DDP.
     trainer = bench.new_trainer(group=None if bench.single else dist.group.WORLD)

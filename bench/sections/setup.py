@@ -33,6 +33,7 @@ def _setup_target(bench: BenchState) -> dict:
         seed=bench.args.seed,
         compile_layers=bench.compiled,
         mesh=bench.mesh,
+        packed_rows=bench.args.data == "chat-packed",
     )
     bl.sync(bench.device)
     flops = bl.target_flops_per_seq(bench.extractor, bench.shape)
@@ -44,6 +45,7 @@ def _setup_target(bench: BenchState) -> dict:
         "flops_breakdown": {k: flops[k] for k in ("linear", "attention")},
         "flops_counting": flops["counting"],
         "target_parallel": bench.target_parallel,
+        "kernels": getattr(bench.extractor, "kernels", None),
         "per_rank": {str(bench.rank): {"target_build_s": time.perf_counter() - start}},
     }
 

@@ -213,9 +213,10 @@ class TargetFeatureExtractor(nn.Module):
         self._attach(decoder)
         return self
 
-    def use_fast_kernels(self) -> dict[str, str]:
-        """Sink attention on flex, grouped-GEMM experts (same features); returns the kernels in use."""
-        self.kernels = target_kernels.use_fast_kernels(self.decoder)
+    def use_fast_kernels(self, packed_rows: bool = False) -> dict[str, str]:
+        """Sink attention on flex, grouped-GEMM experts (same features); returns the kernels in use.
+        `packed_rows` (data.packing): attention on flex with a block mask per document."""
+        self.kernels = target_kernels.use_fast_kernels(self.decoder, packed_rows)
         return self.kernels
 
     def compile_layers(self, **compile_options: Any) -> dict[str, int]:

@@ -14,6 +14,10 @@
   one-rank Qwen3.5 target on GPU with fla takes models/linear_attention.py's forward instead: the
   convolution on the projection's own layout, compiled with the q/k/v split, the q/k L2 norm and
   the gates, into fla's kernels with grouped value heads (no transposes, no copies).
+- Packed rows (data.packing) of a target on SDPA: SDPA takes the per-document mask as a dense
+  tensor and runs its masked kernel over every tile, the causal half and the other documents'
+  included. On GPU they run flex_attention instead, with the same block mask the sink kernel
+  builds (causal or windowed, within each document), which skips the tiles no query may see.
 - Mixture-of-experts: transformers' grouped-GEMM experts (torch._grouped_mm) instead of a loop,
   with the combine of each token's top-k outputs as one pointwise kernel (models/moe_experts.py).
 """
@@ -79,6 +83,19 @@ def is_moe(config: Any) -> bool:
     return any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
+def takes_document_flex(config: Any) -> bool:
+    """Whether packed rows of a target of `config` run flex_attention with a per-document block mask:
+    on SDPA with a causal or windowed mask and no score transform the block mask cannot express
+    (logit softcapping, chunked attention)."""
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    return (
+        getattr(config, "_attn_implementation", None) == "sdpa"
+        and not getattr(config, "attn_logit_softcapping", None)
+        and not getattr(config, "attention_chunk_size", None)
+        and "chunked_attention" not in layer_types
+    )
+
+
 def describe_kernels(config: Any, on_gpu: bool) -> dict[str, str]:
     """The kernels a target of `config` (its text config) runs with `use_fast_kernels` on this machine."""
     kernels = {"attention": "sdpa"}
@@ -99,12 +116,19 @@ def format_kernels(kernels: dict[str, str]) -> str:
     return ", ".join(f"{kind}: {name}" for kind, name in kernels.items())
 
 
-def use_fast_kernels(decoder: nn.Module) -> dict[str, str]:
-    """Switch a built decoder to the fast kernels (same outputs); returns what it now runs."""
+def use_fast_kernels(decoder: nn.Module, packed_rows: bool = False) -> dict[str, str]:
+    """Switch a built decoder to the fast kernels (same outputs); returns what it now runs.
+    `packed_rows`: the decoder will run packed rows (data.packing), which take flex_attention."""
     config = decoder.config
+    attention_name = None
     if has_attention_sinks(config):
         _register_sink_attention()
         config._attn_implementation = SINK_ATTENTION
+        attention_name = "flex_attention with sinks (exact lse rescale)"
+    elif packed_rows and takes_document_flex(config):
+        _register_sink_attention()
+        config._attn_implementation = SINK_ATTENTION  # the same kernel, no sinks to apply
+        attention_name = DOCUMENT_FLEX
     own_experts = False
     if is_moe(config) and hasattr(decoder, "set_experts_implementation"):
         try:
@@ -113,7 +137,7 @@ def use_fast_kernels(decoder: nn.Module) -> dict[str, str]:
             own_experts = True
         if not own_experts and config._experts_implementation == "grouped_mm" and moe_experts.register():
             decoder.set_experts_implementation(moe_experts.EXPERTS_IMPLEMENTATION)
-    kernels = {"attention": _ATTENTION_NAMES.get(config._attn_implementation, config._attn_implementation)}
+    kernels = {"attention": attention_name or config._attn_implementation}
     if has_linear_attention(config):
         # Per module: Qwen3.5's on CUDA with fla, unsharded; others keep transformers' forward.
         layers = [getattr(layer, "linear_attn", None) for layer in decoder_layers(decoder)]
@@ -125,7 +149,7 @@ def use_fast_kernels(decoder: nn.Module) -> dict[str, str]:
     return kernels
 
 
-_ATTENTION_NAMES = {SINK_ATTENTION: "flex_attention with sinks (exact lse rescale)"}
+DOCUMENT_FLEX = "flex_attention, block mask per document (packed rows)"
 
 
 def compile_layers(layers: nn.ModuleList, **compile_options: Any) -> dict[str, int]:
@@ -339,6 +363,8 @@ def sink_attention_forward(
     """transformers' attention interface: [B, H, S, D] in, [B, S, H, D] out, sinks applied exactly."""
     if dropout:
         raise ValueError("sink attention is for the frozen target: no attention dropout")
+    if kwargs.get("softcap"):
+        raise NotImplementedError("flex attention here applies no logit softcapping (takes_document_flex)")
     out, lse = _flex_with_lse(query, key, value, attention_mask, scaling)
     if s_aux is not None:
         # softmax over [scores, s] = softmax(scores) * exp(lse) / (exp(lse) + exp(s)) = ... * sigmoid(lse - s)

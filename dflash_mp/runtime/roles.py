@@ -106,7 +106,11 @@ def make_feature_extractor(
         mesh=mesh,
     )
     # The fast kernels are the GPU default, like compiling; a CPU target stays on HF's own paths.
-    kernels = extractor.use_fast_kernels() if device.type == "cuda" else {"attention": "HF default (CPU)"}
+    kernels = (
+        extractor.use_fast_kernels(packed_rows=cfg.data.packing)
+        if device.type == "cuda"
+        else {"attention": "HF default (CPU)"}
+    )
     plans = extractor.compile_layers() if compile_layers else {}
     graphs = resolve_cuda_graphs(cfg, device, tensor_parallel=mesh is not None)
     if graphs:
