@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_mp import doctor
+from dflash_mp.launch import doctor
 from dflash_mp.config.schema import ConfigError, compose_config
 from dflash_mp.config.validation import validate
 from dflash_mp.data.benchmark_sets import (

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mp import doctor, embedded
+from dflash_mp import embedded
 from dflash_mp.config.schema import compose_config
 from dflash_mp.data import ChatRenderer, DataError, JsonlIndex, load_tokenizer
 from dflash_mp.data.preflight import Scoring, judge, sample_ids, sample_report
+from dflash_mp.launch import doctor
 
 TARGET = embedded.embedded_path("target")
 SCORING = Scoring(block_size=8)

@@ -253,7 +253,7 @@ def test_fa4_kernels_match_fp32_attention_and_compile_once_for_all_lengths() -> 
 
 
 def test_doctor_says_which_attention_runs_and_refuses_a_flash_that_cannot(monkeypatch) -> None:
-    from dflash_mp import doctor
+    from dflash_mp.launch import doctor
 
     assert not doctor.check_attention("flash", "auto", uses_gpu=False).ok
     assert doctor.check_attention("auto", "auto", uses_gpu=False).message == "sdpa (CPU)"

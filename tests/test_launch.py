@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mp import doctor
+from dflash_mp.launch import doctor
 from dflash_mp.config.schema import compose_config
 from dflash_mp.embedded import embedded_path
 from dflash_mp.launch import outcome, supervisor

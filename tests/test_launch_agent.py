@@ -16,8 +16,7 @@ from tests.conftest import REPO, job_env
 RANK_EXIT = """
 import atexit, os, sys
 from pathlib import Path
-from dflash_mp import train
-from dflash_mp.launch import agent
+from dflash_mp.launch import agent, rank as rank_program
 
 out = Path(sys.argv[1])
 atexit.register(lambda: (out / "agent-exit-handler-ran").touch())  # the agent's, not the rank's
@@ -30,7 +29,7 @@ def rank():
         raise KeyboardInterrupt
     sys.exit(int(how))
 
-train.main = rank
+rank_program.main = rank
 for how in sys.argv[2:]:  # one rank after the other, each forked from this (unchanged) agent
     pid = os.fork()  # as torchrun's fork start method does; the child then runs the rank
     if pid == 0:

@@ -16,7 +16,7 @@ from dflash_mp.config.mask_token import (
 )
 from dflash_mp.config.schema import ConfigError, compose_config, run_config, to_dataclass
 from dflash_mp.config.validation import validate
-from dflash_mp.doctor import check_config
+from dflash_mp.launch.doctor import check_config
 from dflash_mp.embedded import embedded_path
 from dflash_mp.training.recipe import build_drafter
 

@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from dflash_mp import doctor, train
 from dflash_mp.config.schema import CONF_DIR, ConfigError, compose_config, to_dataclass
 from dflash_mp.config.validation import validate
 from dflash_mp.embedded import embedded_path, target_dir
+from dflash_mp.launch import doctor, rank
 from dflash_mp.runtime import watchdog
 from dflash_mp.training.recipe import build_drafter
 
@@ -109,6 +109,6 @@ def test_the_refusal_holds_under_the_launcher_and_under_plain_torchrun(tmp_path,
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="3").items():
         monkeypatch.setenv(key, value)
     with pytest.raises(SystemExit) as exit_info:
-        train.run_rank(dict_cfg)
-    assert exit_info.value.code == train.EXIT_CONFIG_ERROR
+        rank.run_rank(dict_cfg)
+    assert exit_info.value.code == rank.EXIT_PREFLIGHT
     _refusal_named(capsys.readouterr().err)

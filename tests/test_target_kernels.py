@@ -175,7 +175,7 @@ def test_describe_kernels_names_the_missing_extra(monkeypatch: pytest.MonkeyPatc
 
 
 def test_doctor_names_the_kernels_and_the_missing_extra(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from dflash_mp.doctor import check_target_kernels
+    from dflash_mp.launch.doctor import check_target_kernels
 
     hybrid, sinks = tmp_path / "hybrid", tmp_path / "sinks"
     _qwen3_5().save_pretrained(hybrid)

@@ -283,7 +283,7 @@ def test_a_two_gpu_replica_job_trains_like_a_one_gpu_target(tmp_path):
 
 
 def test_doctor_warns_when_a_replica_would_span_two_nodes(tmp_path):
-    from dflash_mp import doctor
+    from dflash_mp.launch import doctor
 
     job = ["topology.targets=2", "topology.target_parallel=2", "topology.drafters=4", "train.device=cpu"]
     checks = doctor.preflight(compose_config(job), tmp_path / "run", nnodes=2, nproc_per_node=3)

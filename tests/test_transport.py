@@ -116,7 +116,7 @@ def _leaving_worker(rank: int, init_file: str, target: str, exited: str) -> None
     global _slow_teardown
     import atexit
 
-    from dflash_mp import train
+    from dflash_mp.launch import rank as rank_program
     from dflash_mp.runtime import distributed
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -141,7 +141,7 @@ def _leaving_worker(rank: int, init_file: str, target: str, exited: str) -> None
     _slow_teardown = _SlowTeardown()
     atexit.register(lambda: open(exited, "w").close())
     distributed.LEAVE_TIMEOUT_S = 1.0
-    train._exit_early(0)
+    rank_program._exit_early(0)
 
 
 @pytest.mark.parametrize("target", ["serving", "hung"])

@@ -8,7 +8,7 @@
 
 The run directory is locked for the job's whole life (a second job on it is refused at once, naming
 the holder); it and logs/job.log exist, and their paths are printed, before anything can fail; the
-preflight checks of dflash_mp.doctor pass before torchrun starts; torchrun and every rank write
+preflight checks of dflash_mp.launch.doctor pass before torchrun starts; torchrun and every rank write
 into job.log; a supervisor watches the ranks' heartbeats and ends job.log with the outcome: exit
 code, the first failing rank with its role, and its traceback (from the error file torchrun's
 `@record` wrote for it).
@@ -37,6 +37,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from dflash_mp.launch import doctor
 from dflash_mp.launch.detached import STOP_TIMEOUT_S, status, stop
 from dflash_mp.launch.launcher import (
     announce,
@@ -156,8 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     run_dir = run_dir.resolve()
     if args.command == "doctor":
-        from dflash_mp import doctor
-
         try:
             dict_cfg = _compose(args.overrides)
         except Exception as e:  # an unknown key, a wrong type or group option, named by Hydra

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from dflash_mp.launch import rank as rank_program
 from dflash_mp.run import startup
 from dflash_mp.run.processes import die_with_parent
 
@@ -78,7 +79,6 @@ def _preimport() -> None:
     import transformers.modeling_utils  # noqa: F401
 
     import dflash_mp.runtime.job  # noqa: F401
-    import dflash_mp.train  # noqa: F401
 
 
 def start_method() -> str:
@@ -94,8 +94,6 @@ def _rank_main(*overrides: str) -> None:
     """One rank, as `python -m dflash_mp.train <overrides>` would run it under torchrun."""
     import torch
 
-    from dflash_mp import train
-
     os.setsid()  # torchrun gives every rank its own session
     _default_signals()
     threads = os.environ.get("OMP_NUM_THREADS")
@@ -104,7 +102,7 @@ def _rank_main(*overrides: str) -> None:
     atexit._clear()  # the agent's exit handlers are not this rank's
     sys.argv = [sys.argv[0], *overrides]
     try:
-        train.main()  # Hydra reads the overrides from sys.argv
+        rank_program.main()  # Hydra reads the overrides from sys.argv
     except KeyboardInterrupt:
         # A fresh interpreter ends on an uncaught Ctrl-C by SIGINT; multiprocessing would exit 0.
         atexit._run_exitfuncs()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from dflash_mp import doctor
 from dflash_mp.config.validation import processes_per_job
+from dflash_mp.launch import doctor
 from dflash_mp.launch.agent import AgentZygote
 from dflash_mp.launch.detached import start_detached
 from dflash_mp.launch.outcome import EXIT_PREFLIGHT, Outcome, read_job_state, write_outcome

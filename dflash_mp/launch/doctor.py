@@ -118,7 +118,7 @@ def reading_checks(cfg: RootConfig) -> list[Check]:
     """The checks that read the data and the held-out prompts through the target's tokenizer
     (validate reads neither). Under plain torchrun rank 0 runs them before any heavy work."""
     from dflash_mp.data.preflight import check_data_sample
-    from dflash_mp.evaluation.acceptance import eval_context_problem
+    from dflash_mp.evaluation.evaluator import eval_context_problem
 
     checks = [Check("data", *check_data_sample(cfg))]
     if cfg.eval.every:
