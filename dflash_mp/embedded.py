@@ -138,20 +138,6 @@ def build_once(final: Path, build: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a shared cache must be readable by all
-    try:
-        build_target(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process renamed its build into place first: theirs is identical, use it.
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def build_tokenizer(conversations: list[list[dict[str, str]]]) -> Any:

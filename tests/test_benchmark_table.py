@@ -15,7 +15,6 @@ import torch
 from dflash_mp.data import ChatRenderer
 from dflash_mp.data.benchmark_sets import Conversation, resolve_benchmarks
 from dflash_mp.eval import main
-from dflash_mp.evaluation.acceptance import AcceptanceEvaluator
 from dflash_mp.evaluation.benchmark_table import (
     Sampling,
     decode_benchmark,
@@ -26,6 +25,7 @@ from dflash_mp.evaluation.benchmark_table import (
     serving_sampling,
     thinking_modes,
 )
+from dflash_mp.evaluation.evaluator import AcceptanceEvaluator
 from dflash_mp.evaluation.prompts import EvalError
 from dflash_mp.export.hf import export_drafter
 from dflash_mp.training.trainer import build_drafter

@@ -14,7 +14,6 @@ from omegaconf import OmegaConf
 from dflash_mp.config.schema import compose_config
 from dflash_mp.eval import main
 from dflash_mp.evaluation.acceptance import (
-    AcceptanceEvaluator,
     acceptance_summary,
     evaluate_acceptance,
     require_room_for_target,
@@ -26,6 +25,7 @@ from dflash_mp.evaluation.decoding import (
     autoregressive_generate,
     speculative_generate,
 )
+from dflash_mp.evaluation.evaluator import AcceptanceEvaluator
 from dflash_mp.evaluation.length_buckets import LengthBuckets, bucket_index
 from dflash_mp.evaluation.prompts import EvalError, Prompt, load_eval_prompts, load_prompts
 from dflash_mp.export.hf import export_drafter

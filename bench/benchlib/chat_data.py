@@ -21,7 +21,8 @@ import torch
 
 from dflash_mp.data import MicroBatch
 from dflash_mp.data.packing import pack_epoch
-from dflash_mp.data.reader import Sample, collate, collate_packed
+from dflash_mp.data.reader import collate, collate_packed
+from dflash_mp.data.samples import Sample
 
 TOKENS_PER_WORD = 0.8
 PROMPT_TOKENS = (30, 400)

@@ -4,6 +4,7 @@ records   one JSONL line -> a conversation or a pre-rendered text (the accepted 
 chat      the chat template's rendering and the assistant loss mask
 order     the byte-offset index and the topology-free record order
 sources   JSONL, Parquet, Arrow, save_to_disk directories and hf:org/name, read by record index
+samples   one record -> one tokenized sample, or why it cannot be used
 reader    records -> samples -> micro-batches, with bad/truncated counts
 validity  every record decoded and format-checked, no tokenizer (the preflight's and ranks' full pass)
 preflight the full pass and a random sample read the way training reads it, before any worker starts
@@ -29,13 +30,11 @@ from dflash_mp.data.reader import (
     MIN_RECORDS_TO_JUDGE,
     MicroBatch,
     MicroBatchReader,
-    Sample,
-    TooLong,
     collate,
     padded_width,
-    parse_record,
 )
 from dflash_mp.data.records import ACCEPTED_FORMATS, Conversation, TextRecord
+from dflash_mp.data.samples import Sample, TooLong, parse_record
 from dflash_mp.data.sources import Records, input_problem, open_records
 
 __all__ = [

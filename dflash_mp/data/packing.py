@@ -31,6 +31,8 @@ import torch
 
 from dflash_mp.data.errors import BadRecord, DataError
 from dflash_mp.data.order import epoch_permutation
+from dflash_mp.data.samples import TooLong, parse_record
+from dflash_mp.embedded import cache_dir
 
 # Records packed together: large enough that best-fit leaves rows ~99% full, small enough that a
 # window's rows are spread over a short stretch of the epoch's order.
@@ -60,10 +62,8 @@ def measure_lengths(
     records: Any, parse: Any, on_bad_record: str, logger: logging.Logger, progress: Any = None
 ) -> RecordLengths:
     """Parse every record once. `parse(raw, path, line, record_id)` -> Sample, or raises
-    BadRecord/TooLong (data.reader.parse_record with the job's tokenizer and settings);
+    BadRecord/TooLong (data.samples.parse_record with the job's tokenizer and settings);
     `progress()` is called every PROGRESS_EVERY records (a rank's heartbeat: large data takes minutes)."""
-    from dflash_mp.data.reader import TooLong
-
     lengths, status = array("i"), array("b")
     logged = 0
     for i in range(len(records)):
@@ -252,9 +252,6 @@ def job_lengths(
 ) -> RecordLengths:
     """The packing index of a job's training data (cached; see `cached_lengths`), with the job's
     bad-record rules applied to the whole data at once."""
-    from dflash_mp.data.reader import parse_record
-    from dflash_mp.embedded import cache_dir
-
     settings = {"max_length": data_cfg.max_length, "on_too_long": data_cfg.on_too_long}
 
     def parse(raw: bytes, path: str, line: int, record_id: int) -> Any:

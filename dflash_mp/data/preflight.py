@@ -18,7 +18,7 @@ from typing import Any
 
 from dflash_mp.data.chat import ChatRenderer, load_renderer
 from dflash_mp.data.errors import BadRecord, DataError
-from dflash_mp.data.reader import TooLong, parse_record
+from dflash_mp.data.samples import TooLong, parse_record
 from dflash_mp.data.sources import Records, open_records
 from dflash_mp.data.validity import FullPass, full_pass, upper_bound
 

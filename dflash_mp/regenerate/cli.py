@@ -1,4 +1,72 @@
-"""The command line of `python -m dflash_mp.regenerate`: options in, one backend run, an exit status."""
+"""Regenerate a chat data set's assistant turns with the target itself (the DFlash recipe, §3).
+
+A drafter learns to predict what the target would say; training it on human-written or
+another model's answers teaches it a different distribution. This keeps every record's
+system and user turns and replaces each assistant turn by the target's own response to the
+conversation so far (greedy, or sampled with --temperature), turn after turn. A prompt-only
+record ({"messages": [..., user]}) gets its answer appended.
+
+Local backend (transformers in this process; one process per GPU under torchrun):
+
+    python -m dflash_mp.regenerate --input data/train.jsonl --output data/train_regen.jsonl \\
+        --target /models/qwen3-8b [--max-length N] [--temperature 0] [--batch-size 16]
+    torchrun --nproc-per-node 8 -m dflash_mp.regenerate --input ... --output ... --target ...
+
+Server backend (an OpenAI-compatible /v1/chat/completions: `vllm serve`, SGLang):
+
+    python -m dflash_mp.regenerate --input data/train.jsonl --output data/train_regen.jsonl \\
+        --server http://localhost:8000 [--model NAME] [--target /models/qwen3-8b] \\
+        [--concurrency 64] [--max-retries 5] [--thinking off] [--keep-reasoning]
+
+--target names the target's directory (`--target embedded`: the tiny embedded one); with
+--server it is optional and gives the tokenizer that fits every response into --max-length and
+checks each record as the trainer will tokenize it. --max-length defaults to the target's
+max_position_embeddings, at most 3072 (the presets' data.max_length; 3072 with --server and no
+--target); a value beyond the target's context is refused naming the one that fits. --chat-template-kwargs JSON (or --thinking
+on|off for enable_thinking) reaches the chat template, locally or as the request's
+chat_template_kwargs. The target's reasoning (a server's reasoning_content, or a leading
+<think>...</think> block) is dropped, or kept in the turn's reasoning_content with
+--keep-reasoning. The API key is read from $OPENAI_API_KEY (--api-key-env names another).
+Requests carry temperature, max_tokens, --top-p/--top-k when given and (when sampling) a seed per
+record and turn; other sampling parameters are the server's defaults (vLLM: the model's
+generation_config), whereas the local backend samples from the temperature-scaled distribution,
+cut by --top-p/--top-k when given.
+
+An answer cut at its token budget (finish_reason "length") has no end of turn, yet training would
+teach one after it: --on-length drop (default) ends the record after its last finished answer
+(a record left without one is dropped), keep writes it anyway, fail stops (exit 2). The summary
+counts truncated_turns, dropped_turns and dropped_records; when fewer than
+--min-finished-fraction (0.5) of all answers finished, or no record is left to write, OUTPUT is
+not written (exit 4; every record skipped as bad: exit 2): never an empty file. Greedy
+decoding with thinking on where the target's generation_config asks for sampling (Qwen3's cards:
+temperature 0.6, top-p 0.95, top-k 20) gets a warning.
+
+Ranks split the records by index (rank r takes records i with i % world == r; --rank and
+--world-size also allow independent jobs, e.g. a Slurm array or one client per server). Each
+appends its results to OUTPUT.parts/part-RRRRR.jsonl keyed by record index (with a digest of
+the input line: resuming onto a changed input is an error), so a killed job rerun with the same
+arguments, at any world size, skips what is written. OUTPUT.parts/settings.json records what the
+answers were made with (target or server and model, --max-length, --max-new-tokens, sampling,
+--on-length, the chat template kwargs, --keep-reasoning, --round-trip-safe): a rerun with other
+settings is refused naming each one, old and new. Each rank logs its progress (records written,
+records/s, ETA) after its first records, every 30 s and at its end. Whichever rank finds
+every record done merges the parts into OUTPUT in record order (atomically); the parts stay for
+provenance. Exit status: 0 done, 2 bad input or settings (also other settings than the parts'),
+3 records whose requests failed after their retries (a rerun retries them), 4 too few answers
+finished (--min-finished-fraction) or none left to write.
+
+The embedded default's training set, dflash_mp/assets/data/train_regenerated.jsonl, is the
+bundled prompts answered by the tiny target (one process, so the batches and seeds are fixed):
+
+    python -m dflash_mp.regenerate --input dflash_mp/assets/data/train.jsonl \\
+        --output dflash_mp/assets/data/train_regenerated.jsonl --work-dir /tmp/regen-parts \\
+        --target embedded --max-length 128 --max-new-tokens 48 --temperature 0.3 --round-trip-safe \\
+        --batch-size 64 --on-length keep --min-finished-fraction 0
+
+Low-temperature samples rather than greedy answers: the random target's greedy continuation
+hardly depends on the prompt, so greedy data would be one sequence repeated 2000 times. Its
+answers seldom stop by themselves, so cut ones are kept there; a real target should not need that.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +79,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dflash_mp.config.schema import TargetConfigError, read_target_config
+from dflash_mp.data import DataError
+from dflash_mp.embedded import embedded_path
+from dflash_mp.regenerate.finish import TOO_FEW_FINISHED_EXIT_CODE, TooFewFinished, thinking_sampling_warning
+from dflash_mp.regenerate.local import regenerate
 from dflash_mp.regenerate.records import DEFAULT_MAX_LENGTH, RegenerateError, Settings, max_length_problem
+from dflash_mp.regenerate.served import FAILED_EXIT_CODE, RecordsFailed, ServerSettings, regenerate_served
+from dflash_mp.run import startup
 
 log = logging.getLogger("dflash_mp.regenerate")
 EMBEDDED = "embedded"
@@ -30,11 +105,21 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def _parser() -> argparse.ArgumentParser:
-    import dflash_mp.regenerate as package
-
     parser = argparse.ArgumentParser(
-        prog="python -m dflash_mp.regenerate", description=package.__doc__, formatter_class=_HelpFormatter
+        prog="python -m dflash_mp.regenerate", description=__doc__, formatter_class=_HelpFormatter
     )
+    _add_data_options(parser)
+    _add_answer_options(parser)
+    _add_job_options(parser)
+    _add_local_options(parser.add_argument_group("local backend (without --server)"))
+    _add_server_options(
+        parser.add_argument_group("server backend (an OpenAI-compatible /v1/chat/completions)")
+    )
+    return parser
+
+
+def _add_data_options(parser: argparse.ArgumentParser) -> None:
+    """What is read, what is written, and the target whose tokenizer measures it."""
     parser.add_argument(
         "--input",
         nargs="+",
@@ -54,6 +139,10 @@ def _parser() -> argparse.ArgumentParser:
         help="longest record in tokens (data.max_length); default: the target's max_position_embeddings, "
         f"at most {DEFAULT_MAX_LENGTH} ({DEFAULT_MAX_LENGTH} with --server and no --target)",
     )
+
+
+def _add_answer_options(parser: argparse.ArgumentParser) -> None:
+    """How each answer is generated, and what becomes of one cut at its budget."""
     parser.add_argument("--max-new-tokens", type=int, default=2048, help="longest response in tokens")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -89,6 +178,10 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep the target's reasoning in each answer's reasoning_content (default: drop it)",
     )
+
+
+def _add_job_options(parser: argparse.ArgumentParser) -> None:
+    """Which records this process answers, and what it does with a bad one."""
     parser.add_argument("--limit", type=int, help="only the first N records")
     parser.add_argument(
         "--on-bad-record", default="fail", choices=("fail", "skip"), help="a record that cannot be used"
@@ -101,7 +194,8 @@ def _parser() -> argparse.ArgumentParser:
         "--trust-remote-code", action="store_true", help="allow the target's own modelling/tokenizer code"
     )
 
-    local = parser.add_argument_group("local backend (without --server)")
+
+def _add_local_options(local: argparse._ArgumentGroup) -> None:
     local.add_argument("--batch-size", type=int, default=16, help="records generated together per rank")
     local.add_argument(
         "--round-trip-safe",
@@ -113,7 +207,8 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="auto: bf16 on GPU"
     )
 
-    served = parser.add_argument_group("server backend (an OpenAI-compatible /v1/chat/completions)")
+
+def _add_server_options(served: argparse._ArgumentGroup) -> None:
     served.add_argument("--server", help="the server's URL, e.g. http://localhost:8000 (vLLM, SGLang)")
     served.add_argument("--model", help="the served model name (default: the only one the server lists)")
     served.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
@@ -134,7 +229,6 @@ def _parser() -> argparse.ArgumentParser:
         help="records still failing after the retries: exit 3 without writing OUTPUT (fail), or write "
         "OUTPUT without them (skip); a rerun retries them either way",
     )
-    return parser
 
 
 def _template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -152,8 +246,6 @@ def _template_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _target(name: str | None, required: bool) -> Path | None:
-    from dflash_mp.embedded import embedded_path
-
     if name is None:
         if required:
             raise RegenerateError(
@@ -184,8 +276,6 @@ def _max_length(requested: int | None, target: Path | None) -> int:
 
 def _context(target: Path) -> int | None:
     """The target's max_position_embeddings; None where its directory does not say (a tokenizer only)."""
-    from dflash_mp.config.schema import TargetConfigError, read_target_config
-
     if not (target / "config.json").is_file():
         return None
     try:
@@ -196,8 +286,6 @@ def _context(target: Path) -> int | None:
 
 
 def _warn_greedy_thinking(settings: Settings, target: Path | None) -> None:
-    from dflash_mp.regenerate.finish import thinking_sampling_warning
-
     warning = thinking_sampling_warning(settings, target)
     if warning is not None:
         log.warning(warning)
@@ -223,10 +311,6 @@ def _settings(args: argparse.Namespace, target: Path | None) -> Settings:
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
     """The regeneration the options ask for; RegenerateError or RecordsFailed on failure."""
-    from dflash_mp.regenerate.local import regenerate
-    from dflash_mp.regenerate.served import ServerSettings, regenerate_served
-    from dflash_mp.run import startup
-
     if args.server is None:  # the local path's stack, imported before the collector resumes
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -272,10 +356,6 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from dflash_mp.data import DataError
-    from dflash_mp.regenerate.finish import TOO_FEW_FINISHED_EXIT_CODE, TooFewFinished
-    from dflash_mp.regenerate.served import FAILED_EXIT_CODE, RecordsFailed
-
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank {args.rank}] %(message)s")
     try:

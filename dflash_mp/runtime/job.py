@@ -25,7 +25,7 @@ from dflash_mp.config.mask_token import save_run_tokenizer
 from dflash_mp.config.precision import resolve_precision
 from dflash_mp.config.schema import RootConfig, run_config
 from dflash_mp.data import Records, open_records
-from dflash_mp.evaluation.acceptance import AcceptanceEvaluator
+from dflash_mp.evaluation.evaluator import AcceptanceEvaluator
 from dflash_mp.run import checkpoint
 from dflash_mp.run.logs import append_job_log, get_logger, setup_rank_logging
 from dflash_mp.run.metrics import MetricsLogger, StepTally
