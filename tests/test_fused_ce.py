@@ -65,3 +65,18 @@ def test_at_qwen3_vocab_it_equals_the_compiled_expressions() -> None:
     torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused_grad.float(), grad.float(), rtol=1e-2, atol=1e-6)
     assert torch.equal(fused_correct, correct)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize(("multiplier", "softcap"), [(1.0, None), (0.25, 30.0)])
+def test_row_cross_entropy_is_each_rows_loss_and_leaves_the_logits(multiplier, softcap) -> None:
+    # D-PACE's confidences (objective/position_weights.py): the statistics pass alone, scale 1.
+    from dflash_mp.models.drafter import scale_logits
+
+    logits, labels, _ = _chunk(5, 6001, torch.bfloat16, seed=2)
+    before = logits.clone()
+    ce = fused_ce.row_cross_entropy(logits, labels, multiplier, softcap)
+    assert torch.equal(logits, before) and ce.dtype == torch.float32
+    x = scale_logits(before.float(), multiplier, softcap)
+    expected = torch.logsumexp(x, -1) - x.gather(-1, labels[:, None])[:, 0]
+    torch.testing.assert_close(ce, expected, rtol=1e-5, atol=1e-5)

@@ -171,10 +171,13 @@ def test_packed_mask_sees_only_the_anchor_document(window: int | None) -> None:
     assert not (allowed & ~dense_from_tiles).any()  # no allowed pair sits in a skipped tile
 
 
+@pytest.mark.parametrize("dpace_alpha", [None, 0.5])  # train.position_weights=decay, dpace
 @pytest.mark.parametrize("attention", ["sdpa", "flash"])
-def test_packed_loss_equals_the_documents_trained_alone(attention: str, request) -> None:
+def test_packed_loss_equals_the_documents_trained_alone(attention: str, dpace_alpha, request) -> None:
     """A packed micro-batch's weighted loss sum and gradients equal the sum over its documents
-    each alone in a row (same anchors by construction: they depend on the record only)."""
+    each alone in a row (same anchors by construction: they depend on the record only). With
+    D-PACE the weights come from each block's own CE and the denominator is the scored count,
+    still the sum over the documents: the loss is normalised over the whole micro-batch."""
     if attention == "flash":
         request.getfixturevalue("dense_kernels")
     drafter, embed, head, _ = tiny_problem(2)
@@ -183,7 +186,8 @@ def test_packed_loss_equals_the_documents_trained_alone(attention: str, request)
 
     def weighted_loss(batch):
         drafter.zero_grad()
-        loss, stats = drafter_loss(drafter, embed, head, batch, attention=attention, row_tokens=ROW, **ARGS)
+        options = dict(attention=attention, row_tokens=ROW, dpace_alpha=dpace_alpha)
+        loss, stats = drafter_loss(drafter, embed, head, batch, **options, **ARGS)
         (loss * stats["weight_sum"]).backward()
         grads = {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}
         return loss.detach() * stats["weight_sum"], stats["weight_sum"], grads
