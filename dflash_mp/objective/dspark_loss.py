@@ -1,0 +1,252 @@
+"""DSpark's training objective (`model.arch=dspark`; heads: models/dspark.py; docs/drafter.md: DSpark).
+
+Per micro-batch, on the blocks `draft_blocks` builds (same anchors, block tokens and mask as DFlash):
+
+- labels: with `sample_from_anchor` (the default) block position k predicts x[a+k+1] for every
+  k in 0..Bs-1, weighted exp(-k/gamma); without, position k >= 1 predicts x[a+k] as in DFlash.
+  A label must be a response token of the anchor's record, inside the row.
+- logits: the target head's logits of the drafter's hidden states (scaled as the target scales
+  them) plus the Markov bias of the teacher-forced previous token (`previous_tokens`).
+- teacher: the target's own next-token distribution at the label's previous position, from the
+  target's normed last hidden state, which target ranks append to the features for DSpark
+  (`dflash_mp.config.dspark_checks.feature_layer_ids`).
+- loss = ce_alpha * CE(label) + kl_alpha * KL(teacher || draft) + tv_alpha * TV(draft, teacher)
+  + confidence_alpha * BCE(confidence logit, 1 - TV), each term sum(w * term) / sum(w) over the
+  micro-batch (the DFlash loss's normalisation). 1 - TV = sum_v min(p_v, q_v) is the probability
+  that rejection sampling accepts the position's draft.
+
+Vocabulary-sized work (two head matmuls, the Markov projection, the softmaxes) runs a chunk of
+rows at a time, each chunk recomputed in the backward (activation checkpointing), so at most one
+chunk's [rows, V] tensors are alive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from dflash_mp.models.drafter import scale_logits
+from dflash_mp.models.dspark import previous_tokens
+from dflash_mp.objective.draft_blocks import block_labels, context_positions
+
+
+@dataclass(frozen=True)
+class DSparkLossWeights:
+    """The loss terms' weights (model.dspark_*_alpha)."""
+
+    ce: float = 0.1
+    kl: float = 0.0
+    tv: float = 1.8
+    confidence: float = 1.0
+
+
+def dspark_labels(
+    batch: Any, anchors: Tensor, valid: Tensor, block_size: int, gamma: float, sample_from_anchor: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(labels [B,N,Bs], weights [B,N,Bs] float32, label positions [B,N,Bs]) of the blocks at
+    `anchors` (module docstring). Without `sample_from_anchor` they are DFlash's (`block_labels`)."""
+    document_ids = getattr(batch, "document_ids", None)
+    offsets = torch.arange(block_size, device=anchors.device)
+    if not sample_from_anchor:
+        labels, weights = block_labels(
+            batch.input_ids, batch.loss_mask, batch.lengths, anchors, valid, block_size, gamma, document_ids
+        )
+        return labels, weights, anchors[:, :, None] + offsets
+    seq_len = batch.input_ids.shape[1]
+    positions = anchors[:, :, None] + offsets + 1
+    in_range = positions < batch.lengths[:, None, None]
+    flat = positions.clamp(max=seq_len - 1).flatten(1)  # out-of-range slots get weight 0 below
+    labels = batch.input_ids.gather(1, flat).view_as(positions)
+    scored = valid[:, :, None] & in_range & batch.loss_mask.bool().gather(1, flat).view_as(positions)
+    if document_ids is not None:
+        scored &= (
+            document_ids.gather(1, flat).view_as(positions) == document_ids.gather(1, anchors)[:, :, None]
+        )
+    decay = torch.exp(-offsets.float() / gamma)
+    return labels, decay * scored.float(), positions
+
+
+def _row_terms(
+    hidden: Tensor,
+    markov: Tensor | None,
+    teacher: Tensor | None,
+    labels: Tensor,
+    head: Tensor,
+    markov_w2: Tensor | None,
+    multiplier: float,
+    softcap: float | None,
+) -> tuple[Tensor, Tensor]:
+    """Per row [M, 3] (CE, KL(teacher || draft), TV) and the draft's argmax == label [M]."""
+    logits = scale_logits(F.linear(hidden, head.to(hidden.dtype)), multiplier, softcap)
+    if markov is not None:
+        logits = logits + F.linear(markov, markov_w2.to(markov.dtype))
+    logits = logits.float()
+    log_q = torch.log_softmax(logits, dim=-1)
+    ce = -log_q.gather(-1, labels[:, None])[:, 0]
+    correct = logits.argmax(-1) == labels
+    if teacher is None:
+        zero = torch.zeros_like(ce)
+        return torch.stack([ce, zero, zero], dim=-1), correct
+    with torch.no_grad():
+        teacher_logits = scale_logits(F.linear(teacher, head.to(teacher.dtype)), multiplier, softcap)
+        p = torch.softmax(teacher_logits.float(), dim=-1)
+    kl = F.kl_div(log_q, p, reduction="none").sum(-1)
+    tv = 1.0 - torch.minimum(torch.softmax(logits, dim=-1), p).sum(-1)
+    return torch.stack([ce, kl, tv], dim=-1), correct
+
+
+def row_terms(
+    hidden: Tensor,
+    markov: Tensor | None,
+    teacher: Tensor | None,
+    labels: Tensor,
+    head: Tensor,
+    markov_w2: Tensor | None,
+    multiplier: float = 1.0,
+    softcap: float | None = None,
+    chunk_rows: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`_row_terms` over rows [M, ...] a chunk at a time, each chunk recomputed in the backward."""
+    vocab = head.shape[0]
+    chunk_rows = chunk_rows or min(1024, max(1, (1 << 28) // vocab // 4))
+    terms, correct = [], []
+    for start in range(0, hidden.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        args = (
+            hidden[rows],
+            None if markov is None else markov[rows],
+            None if teacher is None else teacher[rows],
+            labels[rows],
+            head,
+            markov_w2,
+            multiplier,
+            softcap,
+        )
+        if torch.is_grad_enabled():
+            chunk_terms, chunk_correct = checkpoint(_row_terms, *args, use_reentrant=False)
+        else:
+            chunk_terms, chunk_correct = _row_terms(*args)
+        terms.append(chunk_terms)
+        correct.append(chunk_correct)
+    return torch.cat(terms), torch.cat(correct)
+
+
+def reduce_terms(
+    terms: Tensor, confidence_logits: Tensor | None, weights: Tensor, alphas: DSparkLossWeights
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, the four terms [CE, KL, TV, BCE] before their weights, detached, the accept rate
+    1 - TV [M]) from row terms [M, 3], confidence logits [M] (or None) and weights [M]."""
+    denominator = weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
+    ce, kl, tv = ((weights[:, None] * terms).sum(0) / denominator).unbind()
+    accept = (1.0 - terms[:, 2].detach()).clamp(0.0, 1.0)
+    bce = torch.zeros((), device=terms.device)
+    if confidence_logits is not None:
+        elementwise = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept, reduction="none")
+        bce = (weights * elementwise).sum() / denominator
+    loss = alphas.ce * ce + alphas.kl * kl + alphas.tv * tv + alphas.confidence * bce
+    return loss, torch.stack([ce, kl, tv, bce]).detach(), accept
+
+
+def dspark_metrics_stats(
+    accept: Tensor, confidence_logits: Tensor | None, scored: Tensor, term_values: Tensor
+) -> Tensor:
+    """One float32 vector of sums for the step's totals (layout: `DSPARK_TOTALS` in
+    training/dspark_metrics.py) from the accept rate, confidence logits and scored mask, all
+    [blocks, Bs], and the micro-batch's four term values."""
+    mask = scored.float()
+    predicted = accept if confidence_logits is None else torch.sigmoid(confidence_logits.detach().float())
+    # Expected accepted drafts per block (speculators' accept_len): the running product of the
+    # per-position rates, plus the bonus token; over blocks with a scored position.
+    block_scored = (mask.sum(-1) > 0).float()
+    accept_len = ((accept * mask).cumprod(-1).sum(-1) + 1.0) * block_scored
+    predicted_len = ((predicted * mask).cumprod(-1).sum(-1) + 1.0) * block_scored
+    sums = torch.stack(
+        [
+            (accept * mask).sum(),
+            (predicted * mask).sum(),
+            ((predicted - accept).abs() * mask).sum(),
+            mask.sum(),
+            accept_len.sum(),
+            predicted_len.sum(),
+            block_scored.sum(),
+        ]
+    )
+    by_position = torch.cat([(accept * mask).sum(0), (predicted * mask).sum(0)])
+    return torch.cat([term_values.float(), sums, by_position])
+
+
+def dspark_loss(
+    drafter: nn.Module,
+    embed_weight: Tensor,
+    head_weight: Tensor,
+    batch: Any,
+    blocks: Any,
+    gamma: float,
+    alphas: DSparkLossWeights,
+) -> tuple[Tensor, dict]:
+    """The DSpark loss of one micro-batch and its stats (`drafter_loss`'s contract, plus
+    stats["dspark"], a vector of sums: `dspark_metrics_stats`)."""
+    module = getattr(drafter, "module", drafter)
+    block_size, hidden_size = module.block_size, module.config.hidden_size
+    labels, weights, positions = dspark_labels(
+        batch, blocks.anchors, blocks.valid, block_size, gamma, module.sample_from_anchor
+    )
+    batch_size, seq_len = batch.input_ids.shape
+    width = len(module.target_layer_ids) * hidden_size
+    features = batch.hidden_states
+    embeddings = F.embedding(blocks.ids, embed_weight) * module.input_embedding_scale
+    context = context_positions(batch_size, seq_len, batch.input_ids.device)
+    hidden = drafter(
+        features[..., :width],
+        embeddings,
+        context if blocks.context_positions is None else blocks.context_positions,
+        blocks.positions,
+        blocks.mask,
+    )
+    teacher = None
+    if features.shape[-1] > width:  # the target's normed last hidden state, one position before the label
+        teacher_rows = (positions - 1).clamp(0, seq_len - 1).flatten(1)
+        last = features[..., width : width + hidden_size]
+        teacher = last.gather(1, teacher_rows[..., None].expand(-1, -1, hidden_size)).flatten(0, 1)
+    by_block = hidden.reshape(-1, block_size, hidden_size)
+    prev_ids = previous_tokens(
+        labels.reshape(-1, block_size), blocks.ids[:, ::block_size].reshape(-1), module.sample_from_anchor
+    )
+    prev_emb = markov = None
+    if module.markov_head is not None:
+        prev_emb = module.markov_head.embed(prev_ids)
+        markov = module.markov_head.features(prev_emb, by_block).flatten(0, 1)
+    confidence = None
+    if module.confidence_head is not None:
+        with_markov = prev_emb if module.confidence_with_markov else None
+        confidence = module.confidence_head(by_block, with_markov).flatten()
+    terms, correct = row_terms(
+        hidden.flatten(0, 1),
+        markov,
+        teacher,
+        labels.flatten(),
+        head_weight,
+        None if module.markov_head is None else module.markov_head.markov_w2.weight,
+        module.output_multiplier,
+        module.final_logit_softcapping,
+    )
+    flat_weights = weights.flatten()
+    loss, term_values, accept = reduce_terms(terms, confidence, flat_weights, alphas)
+    scored = (weights > 0).reshape(-1, block_size)
+    stats = {
+        "correct": (correct.view(-1, block_size) & scored).sum(0),
+        "count": scored.sum(0),
+        "weight_sum": flat_weights.sum(),
+        "dspark": dspark_metrics_stats(
+            accept.view(-1, block_size),
+            None if confidence is None else confidence.view(-1, block_size),
+            scored,
+            term_values,
+        ),
+    }
+    return loss, stats
