@@ -30,9 +30,10 @@ from dflash_mp.objective.position_weights import dpace_alpha_of
 from dflash_mp.objective.selector_loss import selector_metrics
 from dflash_mp.run import checkpoint
 from dflash_mp.training.features import Features
+from dflash_mp.training.muon import build_optimizer
 from dflash_mp.training.recipe import build_drafter, lr_at
 from dflash_mp.training.step_totals import LOSS_SUM, MICRO_BATCHES, SCORED, HostTotals, ReadBack, StepTotals
-from dflash_mp.training.streaming_adamw import StreamingAdamW, triton
+from dflash_mp.training.streaming_adamw import triton
 from dflash_mp.training.working_weights import WorkingWeights
 
 
@@ -112,15 +113,8 @@ class DrafterTrainer:
             )
             if self.working is not None:  # gradients reduced in fp32, as with fp32 weights
                 self.model.register_comm_hook(group, self.working.fp32_allreduce_hook)
-        o = cfg.optim
-        params = list(self.drafter.parameters())
-        self.optimizer = StreamingAdamW(
-            params if self.working is None else self.working.optimizer_parameters(params),
-            lr=o.lr,
-            betas=tuple(o.betas),
-            weight_decay=o.weight_decay,
-            working=None if self.working is None else self.working.working_of,
-        )
+        # StreamingAdamW (optim=adamw), or Muon on the hidden matrices and it on the rest (optim=muon).
+        self.optimizer = build_optimizer(cfg.optim, self.drafter, self.working)
         # bf16 working weights only compute under autocast (fp32 norms meet bf16 matmuls there).
         self.autocast = (
             torch.autocast(device.type, dtype=torch.bfloat16)
