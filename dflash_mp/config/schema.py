@@ -41,7 +41,8 @@ class ModelConfig:
     # Pins the mask token's id (< the target's vocab_size); null: the tokenizer's id of mask_token,
     # else the next free id len(tokenizer) (151669 for Qwen3, as the published Qwen3 drafters).
     mask_token_id: int | None = None
-    # Drafter architecture: "dflash", or "dflash2" (convolutions around each sublayer + candidate selector).
+    # Drafter architecture: "dflash", "dflash2" (convolutions around each sublayer + candidate selector)
+    # or "xpress" (DFlash plus a causal refiner resolved by Jacobi passes; docs/drafter.md).
     arch: str = "dflash"
     # dflash2: taps of the grouped dynamic depthwise convolution (over block positions).
     conv_kernel_size: int = 2
@@ -55,6 +56,20 @@ class ModelConfig:
     selector_loss_alpha: float = 1.0
     # dflash2: a label outside the top-K is "drop"ped from the selector term or "inject"ed as the last candidate.
     selector_gold_outside_top_k: str = "drop"
+    # xpress: rank r of the causal refiner (its embedding, fusion, mixer and MLP live in r dimensions).
+    xpress_rank: int = 256
+    # xpress: the refiner MLP's width is xpress_rank * xpress_mlp_ratio (released checkpoints: 2).
+    xpress_mlp_ratio: int = 2
+    # xpress: Jacobi passes K that resolve a block at inference (eval, and the export for vLLM).
+    num_jacobi_passes: int = 6
+    # xpress: weight of the free-running Jacobi rounds' loss (0: no rounds).
+    xpress_consistency_weight: float = 0.3
+    # xpress: training rounds, each fed the previous round's argmax (their losses are averaged).
+    xpress_consistency_passes: int = 3
+    # xpress: weight of the loss on the drafter's own logits, which keeps the Jacobi seed good (0: none).
+    xpress_base_anchor_weight: float = 0.6
+    # xpress: that loss without the position decay (every scored position weighs 1).
+    xpress_base_anchor_full_weight: bool = False
     # Attention of each draft layer, "full_attention" or "sliding_attention"; null: all full.
     layer_types: list[str] | None = None
     # sliding_attention layers see keys less than this many positions from the query (reference rule).

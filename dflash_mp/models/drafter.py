@@ -29,6 +29,7 @@ from dflash_mp.models.block_rows import BlockRows, expand_rows, scored_rows
 from dflash_mp.models.dflash2 import CandidateSelector, GroupedDynamicConv
 from dflash_mp.models.drafter_config import SCALING_DEFAULTS, drafter_arch
 from dflash_mp.models.qwen3_layers import GatedMLP, RMSNorm, rotary_embedding, rotate_half
+from dflash_mp.models.xpress import XPressRefiner
 
 AttentionMask = torch.Tensor | BlockMask | TileMask
 
@@ -235,6 +236,18 @@ class DFlashDrafter(nn.Module):
                 int(dflash["selector_rank"]),
                 int(dflash["selector_top_k"]),
             )
+        # XPress (models/xpress.py): a refiner on the draft logits; the layers are DFlash's.
+        self.refiner_head: XPressRefiner | None = None
+        self.num_jacobi_passes = 0
+        if self.arch == "xpress":
+            self.num_jacobi_passes = int(dflash["num_jacobi_passes"])
+            self.refiner_head = XPressRefiner(
+                config.hidden_size,
+                config.vocab_size,
+                self.block_size,
+                int(dflash["xpress_rank"]),
+                int(dflash["xpress_mlp_ratio"]),
+            )
         self.init_weights(torch.Generator().manual_seed(seed))
 
     @torch.no_grad()
@@ -251,7 +264,7 @@ class DFlashDrafter(nn.Module):
         added = {
             id(inner)
             for module in self.modules()
-            if isinstance(module, (GroupedDynamicConv, CandidateSelector))
+            if isinstance(module, (GroupedDynamicConv, CandidateSelector, XPressRefiner))
             for inner in module.modules()
         }
         for module in self.modules():
@@ -269,6 +282,8 @@ class DFlashDrafter(nn.Module):
                 module.reset_to_identity()
         if self.candidate_selector is not None:
             self.candidate_selector.init_weights(std, generator)
+        if self.refiner_head is not None:
+            self.refiner_head.init_weights(generator)
 
     def logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
         """The draft logits of hidden states through the target's head, as the reference computes them."""

@@ -25,9 +25,11 @@ _DENSE_WIDTH = re.compile(r"(dense|mlp)_intermediate_size|intermediate_size_(den
 # are 1-D text positions, for which multimodal RoPE (mrope_section) equals plain RoPE.
 _DROPPED_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "xpress": "XPressDraftModel"}
 # dflash_config fields of a DFlash 2 drafter (the reference, vLLM and the MLX loader read them there).
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# dflash_config fields of an XPress drafter (speculators' XPressSpeculatorConfig names; models/xpress.py).
+XPRESS_FIELDS = ("xpress_rank", "xpress_mlp_ratio", "num_jacobi_passes")
 # Attention kinds of a draft layer (the reference's `layer_types` values).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # dflash_config fields for targets that scale embeddings or logits, with the values that change nothing.
@@ -186,8 +188,11 @@ def _text_fields(target_config: dict[str, Any] | PretrainedConfig) -> dict[str, 
 
 
 def drafter_arch(config: PretrainedConfig) -> str:
-    """The drafter architecture of `config`: "dflash2" when it carries the DFlash 2 fields, else "dflash"."""
+    """The drafter architecture of `config`: "dflash2" when it carries the DFlash 2 fields, "xpress"
+    the XPress ones, else "dflash"."""
     dflash = getattr(config, "dflash_config", None) or {}
+    if all(key in dflash for key in XPRESS_FIELDS):
+        return "xpress"
     return "dflash2" if all(key in dflash for key in DFLASH2_FIELDS) else "dflash"
 
 
@@ -202,11 +207,12 @@ def build_drafter_config(
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
     scaling: dict[str, float | None] | None = None,
+    xpress: dict[str, int] | None = None,
 ) -> Qwen3Config:
     """The drafter's config: the target's layer shapes, `draft_layers` layers and the DFlash fields.
 
     `arch="dflash2"` adds `dflash2` (conv_kernel_size, conv_group_size, selector_rank,
-    selector_top_k) to `dflash_config`. `layer_types` (one per draft layer, null: all full
+    selector_top_k) to `dflash_config`, `arch="xpress"` adds `xpress` (XPRESS_FIELDS). `layer_types` (one per draft layer, null: all full
     attention) and `sliding_window` go to the top level, where the reference reads them;
     `scaling` (keys of SCALING_DEFAULTS; null or absent: what the target does, `target_scaling`)
     goes to `dflash_config`, only the non-default values, so a Qwen3 target's export is unchanged.
@@ -239,6 +245,13 @@ def build_drafter_config(
         elif extra["selector_top_k"] > int(target["vocab_size"]):
             problems.append(
                 f"selector_top_k {extra['selector_top_k']} exceeds vocab_size {target['vocab_size']}"
+            )
+    elif arch == "xpress":
+        extra = {key: int((xpress or {}).get(key, 0)) for key in XPRESS_FIELDS}
+        if min(extra["xpress_rank"], extra["xpress_mlp_ratio"]) < 1 or extra["num_jacobi_passes"] < 0:
+            problems.append(
+                f"arch xpress needs positive xpress_rank and xpress_mlp_ratio and num_jacobi_passes >= 0, "
+                f"got {xpress}"
             )
     elif arch != "dflash":
         problems.append(f"arch {arch!r} must be one of {sorted(ARCHITECTURES)}")

@@ -23,6 +23,7 @@ from dflash_mp.models.block_rows import BlockRows, scored_rows
 from dflash_mp.objective.draft_blocks import DraftBlocks, context_positions, draft_blocks
 from dflash_mp.objective.position_weights import loss_row_weights
 from dflash_mp.objective.selector_loss import SelectorStats, TopK, selector_loss
+from dflash_mp.objective.xpress_loss import XPressWeights, xpress_drafter_loss
 
 
 class LossStats(TypedDict):
@@ -322,6 +323,7 @@ def drafter_loss(
     blocks: DraftBlocks | None = None,
     row_tokens: int | None = None,
     dpace_alpha: float | None = None,
+    xpress: XPressWeights | None = None,
 ) -> tuple[Tensor, LossStats]:
     """The DFlash loss of one micro-batch; shared by the reference trainer and the drafter ranks.
 
@@ -335,7 +337,8 @@ def drafter_loss(
     (TileMask for FlashAttention 4, Hopper and newer) or "sdpa" (dense bool mask; CPU, where
     flex_attention has no backward). `blocks`: `loss_blocks` of this batch with the same
     arguments, made earlier; None makes them here. `dpace_alpha`: train.position_weights=dpace
-    (position_weights.py), None: the decay.
+    (position_weights.py), None: the decay. An XPress drafter (a `refiner_head`) trains on its
+    refiner's passes and terms instead (xpress_loss.py, weights `xpress`).
     """
     if blocks is None:
         options = dict(seed=seed, num_anchors=num_anchors, gamma=gamma, attention=attention)
@@ -369,6 +372,9 @@ def drafter_loss(
             blocks.mask,
         )
         hidden = drafter(*forward_args, scored_rows_only=True) if sparing else drafter(*forward_args)
+    if getattr(drafter_module, "refiner_head", None) is not None:
+        terms = (xpress or XPressWeights())._replace(dpace_alpha=dpace_alpha)
+        return xpress_drafter_loss(drafter_module, hidden, head_weight, blocks, terms)  # type: ignore[return-value]
     multiplier = getattr(drafter_module, "output_multiplier", 1.0)
     softcap = getattr(drafter_module, "final_logit_softcapping", None)
     selector = getattr(drafter_module, "candidate_selector", None)

@@ -232,6 +232,7 @@ class DraftBlocks(NamedTuple):
     weights: Tensor  # [B, N, Bs] float32 loss weights
     mask: Any  # BlockMask (flex), TileMask (flash) or dense bool (sdpa); or one per layer type
     context_positions: Tensor | None = None  # [B, S] packed rows' positions in their documents
+    before_anchor: Tensor | None = None  # [B, N] the token before each anchor (XPress's refiner reads it)
 
 
 def draft_blocks(
@@ -287,4 +288,6 @@ def draft_blocks(
     if window is not None:
         sliding = build_mask(anchors, seq_len, block_size, window, starts=starts)
         mask = {"full_attention": mask, "sliding_attention": sliding}
-    return DraftBlocks(ids, positions, labels, weights, mask, context)
+    # An anchor has context before it in its own document (p >= 1), so p - 1 is that document's.
+    before_anchor = batch.input_ids.gather(1, (anchors - 1).clamp(min=0))
+    return DraftBlocks(ids, positions, labels, weights, mask, context, before_anchor)

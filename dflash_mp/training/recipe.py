@@ -8,7 +8,12 @@ import math
 from dflash_mp.config.mask_token import mask_token_id
 from dflash_mp.config.schema import RootConfig, read_target_config, resolved_target_layer_ids
 from dflash_mp.models.drafter import DFlashDrafter
-from dflash_mp.models.drafter_config import DFLASH2_FIELDS, SCALING_DEFAULTS, build_drafter_config
+from dflash_mp.models.drafter_config import (
+    DFLASH2_FIELDS,
+    SCALING_DEFAULTS,
+    XPRESS_FIELDS,
+    build_drafter_config,
+)
 
 
 def lr_at(step: int, total_steps: int, peak: float, warmup_ratio: float, min_ratio: float) -> float:
@@ -35,5 +40,6 @@ def build_drafter(cfg: RootConfig) -> DFlashDrafter:
         layer_types=None if cfg.model.layer_types is None else list(cfg.model.layer_types),
         sliding_window=cfg.model.sliding_window,
         scaling={key: getattr(cfg.model, key) for key in SCALING_DEFAULTS},
+        xpress={key: getattr(cfg.model, key) for key in XPRESS_FIELDS},
     )
     return DFlashDrafter(config, seed=cfg.train.seed)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_mp.objective.selector_loss import add_selector_stats, pack_selector_totals
+from dflash_mp.objective.xpress_loss import XPRESS_TERMS
 from dflash_mp.training.features import Features
 
 # Slots of the packed vector: the counters, then correct [Bs], count [Bs], the selector totals
@@ -39,6 +40,7 @@ class StepTotals:
     # Token counts stay tensors: reading them per micro-batch would synchronise the GPU.
     token_counts: list = field(default_factory=list)
     selector: dict = field(default_factory=dict)  # DFlash 2 selector stats (selector_loss.py)
+    xpress: list = field(default_factory=list)  # XPress loss terms per micro-batch (xpress_loss.py)
 
     def add(self, batch: Features, loss: torch.Tensor, stats: dict) -> None:
         """One micro-batch's loss and stats (`drafter_loss`), without reading anything back."""
@@ -55,10 +57,14 @@ class StepTotals:
         self.correct = stats["correct"] if self.correct is None else self.correct + stats["correct"]
         self.count = stats["count"] if self.count is None else self.count + stats["count"]
         add_selector_stats(self.selector, stats.get("selector"))
+        if "xpress" in stats:
+            self.xpress.append(stats["xpress"])
 
-    def pack(self, block: int, device: torch.device, stop_requested: bool, dflash2: bool) -> torch.Tensor:
+    def pack(
+        self, block: int, device: torch.device, stop_requested: bool, dflash2: bool, xpress: bool = False
+    ) -> torch.Tensor:
         """Every per-step number in one float64 vector on `device`: the COUNTERS scalars, then
-        correct [block], count [block], the DFlash 2 selector totals."""
+        correct [block], count [block], the DFlash 2 selector totals, the XPress terms."""
         correct = self.correct if self.correct is not None else torch.zeros(block, device=device)
         count = self.count if self.count is not None else torch.zeros(block, device=device)
         no_tokens = torch.zeros((), dtype=torch.long, device=device)
@@ -87,6 +93,7 @@ class StepTotals:
                 correct.to(device, torch.float64),
                 count.to(device, torch.float64),
                 pack_selector_totals(self.selector, block, device, dflash2),
+                _xpress_totals(self.xpress, device, xpress),
             ]
         )
 
@@ -109,19 +116,31 @@ class HostTotals:
     selector: torch.Tensor  # the DFlash 2 selector totals (empty for DFlash)
     grad_norm: float
     applied: bool
+    xpress: torch.Tensor | None = None  # the XPress terms' sums (XPRESS_TERMS)
 
     @classmethod
-    def unpack(cls, host: torch.Tensor, block: int) -> HostTotals:
+    def unpack(cls, host: torch.Tensor, block: int, xpress: bool = False) -> HostTotals:
         """`host` is `StepTotals.pack` followed by the gradient norm and the applied flag."""
         counters = host[:COUNTERS].tolist()
+        tail = len(XPRESS_TERMS) if xpress else 0
         return cls(
             *counters,
             correct=host[COUNTERS : COUNTERS + block],
             count=host[COUNTERS + block : COUNTERS + 2 * block],
-            selector=host[COUNTERS + 2 * block : -2],
+            selector=host[COUNTERS + 2 * block : host.shape[0] - 2 - tail],
             grad_norm=float(host[-2]),
             applied=bool(host[-1]),
+            xpress=host[host.shape[0] - 2 - tail : -2],
         )
+
+
+def _xpress_totals(terms: list, device: torch.device, enabled: bool) -> torch.Tensor:
+    """The XPress terms summed over the micro-batches (zeros for none; empty unless `enabled`)."""
+    if not enabled:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    if not terms:
+        return torch.zeros(len(XPRESS_TERMS), dtype=torch.float64, device=device)
+    return torch.stack(terms).sum(0).to(device, torch.float64)
 
 
 class ReadBack:

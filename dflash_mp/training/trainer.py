@@ -28,6 +28,7 @@ from dflash_mp.objective.block_diffusion import drafter_loss, loss_blocks, per_p
 from dflash_mp.objective.draft_blocks import DraftBlocks
 from dflash_mp.objective.position_weights import dpace_alpha_of
 from dflash_mp.objective.selector_loss import selector_metrics
+from dflash_mp.objective.xpress_loss import xpress_metrics, xpress_weights
 from dflash_mp.run import checkpoint
 from dflash_mp.training.features import Features
 from dflash_mp.training.muon import build_optimizer
@@ -177,6 +178,7 @@ class DrafterTrainer:
                 selector_gold=self.cfg.model.selector_gold_outside_top_k,
                 blocks=prepared.blocks,
                 dpace_alpha=dpace_alpha_of(self.cfg.train),
+                xpress=xpress_weights(self.cfg.model),
             )
             if empty:
                 loss = loss * 0.0
@@ -223,7 +225,8 @@ class DrafterTrainer:
         """
         cfg = self.cfg
         block = cfg.model.block_size
-        packed = self.totals.pack(block, self.device, self.stop_requested(), self.drafter.arch == "dflash2")
+        xpress = self.drafter.arch == "xpress"
+        packed = self.totals.pack(block, self.device, self.stop_requested(), self.drafter.arch == "dflash2", xpress)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(packed, group=self.group)
 
@@ -255,7 +258,7 @@ class DrafterTrainer:
             self.optimizer.step(grad_multiplier=gradient_scale, applies=applies)
         if while_waiting is not None:
             while_waiting()
-        host = HostTotals.unpack(read_back(), block)
+        host = HostTotals.unpack(read_back(), block, xpress)
         self.stop_agreed = host.stop_votes > 0  # any drafter asked: all stop after this same step
         if not host.applied:
             self.optimizer.uncount_last_step()
@@ -291,6 +294,8 @@ class DrafterTrainer:
             record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self.drafter.arch == "dflash2":
             record.update(selector_metrics(host.selector, host.count, host.scored))
+        if xpress:
+            record.update(xpress_metrics(host.xpress, host.scored))
         record.update(extra or {})
         self.totals = StepTotals()
         if skip_reason == "nonfinite":
