@@ -18,6 +18,7 @@ TARGET_LAYERS = {
     "paper": 36,
     "qwen3-4b": 36,
     "qwen3-8b": 36,
+    "field-recipe": 36,  # Qwen3-8B with the field's recipe (speculators issue #979)
     "qwen3.5-4b": 32,
     "qwen3.5-9b": 32,
     "qwen3.5-27b": 64,
@@ -61,8 +62,9 @@ def test_a_preset_validates_and_builds_its_drafter(tmp_path, preset):
     m = cfg.model
     assert cfg.preset == preset and m.target_layer_ids is not None
     assert all(0 <= i < num_layers for i in m.target_layer_ids)
-    # The paper's recipe, not the embedded one (arXiv 2602.06036).
-    assert (cfg.optim.lr, cfg.data.max_length, cfg.data.num_anchors, cfg.train.epochs) == (6e-4, 3072, 512, 6)
+    # The paper's recipe, not the embedded one (arXiv 2602.06036); optim=muon: speculators' lr.
+    lr = {"adamw": 6e-4, "muon": 1e-3}[cfg.optim.name]
+    assert (cfg.optim.lr, cfg.data.max_length, cfg.data.num_anchors, cfg.train.epochs) == (lr, 3072, 512, 6)
     assert cfg.train.gamma == (7.0 if m.block_size == 16 else 4.0)
     drafter = build_drafter(cfg)
     assert drafter.block_size == m.block_size
@@ -112,3 +114,17 @@ def test_the_refusal_holds_under_the_launcher_and_under_plain_torchrun(tmp_path,
         rank.run_rank(dict_cfg)
     assert exit_info.value.code == rank.EXIT_PREFLIGHT
     _refusal_named(capsys.readouterr().err)
+
+
+def test_the_field_recipe_is_qwen3_8b_with_dpace_sliding_windows_and_muon(tmp_path):
+    target = _stand_in_target(tmp_path, TARGET_LAYERS["field-recipe"])
+    cfg = to_dataclass(compose_config(["experiment=field-recipe", f"model.target_path={target}", *_data()]))
+    validate(cfg, world_size=8)
+    paper = to_dataclass(compose_config(["experiment=qwen3-8b", f"model.target_path={target}", *_data()]))
+    assert (cfg.train.position_weights, cfg.train.dpace_alpha) == ("dpace", 0.5)
+    assert (cfg.optim.name, cfg.optim.muon_adjust_lr) == ("muon", "match_rms_adamw")
+    for key in ("draft_layers", "block_size", "target_layer_ids"):
+        assert getattr(cfg.model, key) == getattr(paper.model, key), key
+    drafter = build_drafter(cfg).config  # what the export writes to config.json
+    assert drafter.layer_types == ["sliding_attention"] * cfg.model.draft_layers
+    assert drafter.sliding_window == 2048 and drafter.use_sliding_window
