@@ -182,13 +182,18 @@ def _propose(
     generator: torch.Generator | None,
     top_k: int = 0,
     top_p: float = 1.0,
+    before_first: int | None = None,
 ) -> tuple[list[int], torch.Tensor | None]:
     """The drafter's `size - 1` proposals for block [first_token, MASK...] at positions start..; and
     their sampling distributions [size-1, V] when temperature > 0, cut by top_k/top_p as the target's
     (a DFlash 2 drafter's: its selector's q over its K candidates, zero elsewhere and not cut, as the
-    reference's `propose`; rejection sampling is exact for any q the proposals were drawn from)."""
+    reference's `propose`; rejection sampling is exact for any q the proposals were drawn from).
+    An XPress drafter drafts the whole block (its refiner's mixer spans it) and proposes from the
+    logits its K Jacobi passes leave (`xpress_logits`; `before_first` is the token before the block)."""
     device = context_features.device
     param = next(drafter.parameters())
+    refiner = getattr(drafter, "refiner_head", None)
+    proposed, size = size, drafter.block_size if refiner is not None else size
     block_ids = torch.full((1, size), drafter.mask_token_id, device=device)
     block_ids[0, 0] = first_token
     embed_weight = target.get_input_embeddings().weight
@@ -213,7 +218,10 @@ def _propose(
             mask,
         )
     # Output at block index k guesses the token at start + k; index 0 is the known token.
-    logits = drafter.logits(hidden[0, 1:].to(head.weight.dtype), head)
+    if refiner is not None:
+        logits = xpress_logits(drafter, hidden.to(head.weight.dtype), head, first_token, before_first)[1:proposed]
+    else:
+        logits = drafter.logits(hidden[0, 1:].to(head.weight.dtype), head)
     selector = getattr(drafter, "candidate_selector", None)
     if selector is not None:
         anchor = torch.tensor([first_token], device=device)
@@ -273,6 +281,7 @@ def speculative_generate(
                 generator,
                 top_k,
                 top_p,
+                before_first=tokens[start - 1],
             )
         block = [tokens[start], *proposals]
         logits, block_features = _target_step(target, block, start, cache, layer_ids)
@@ -341,3 +350,19 @@ def autoregressive_generate(
     return Generation(
         new_tokens=new_tokens, seconds=time.perf_counter() - began, target_forwards=len(new_tokens)
     )
+
+
+def xpress_logits(
+    drafter: DFlashDrafter, hidden: torch.Tensor, head: nn.Module, first_token: int, before_first: int | None
+) -> torch.Tensor:
+    """[Bs, V]: an XPress drafter's logits of one block, hidden [1, Bs, H], after its
+    `num_jacobi_passes` Jacobi passes, each conditioned on the previous pass's argmax (greedy, as
+    the reference's recurrence; models/xpress.py). `before_first` None: the block's own first token
+    stands in for the token before it, as vLLM's XPress speculator does."""
+    from dflash_mp.models.xpress import refined_logits
+
+    device = hidden.device
+    anchor = torch.tensor([first_token], device=device)
+    before = anchor if before_first is None else torch.tensor([before_first], device=device)
+    base = drafter.logits(hidden, head)
+    return refined_logits(drafter.refiner_head, base, hidden, anchor, before, drafter.num_jacobi_passes)[0]
