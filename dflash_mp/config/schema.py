@@ -70,6 +70,22 @@ class ModelConfig:
     xpress_base_anchor_weight: float = 0.6
     # xpress: that loss without the position decay (every scored position weighs 1).
     xpress_base_anchor_full_weight: bool = False
+    # dspark: rank r of the Markov logit-bias head, bias = W2 f(W1[previous token]) (0: no Markov head).
+    markov_rank: int = 256
+    # dspark: "vanilla" (the previous token only), "gated" (gated by the hidden state) or "rnn" (a state over the block).
+    markov_head_type: str = "vanilla"
+    # dspark: train a head that predicts each position's acceptance probability.
+    enable_confidence_head: bool = True
+    # dspark: the confidence head also reads the Markov embedding of the previous token.
+    confidence_head_with_markov: bool = True
+    # dspark: block position k predicts x[a+k+1] (Bs drafts per block), else x[a+k] as DFlash (Bs-1).
+    sample_from_anchor: bool = True
+    # dspark: weights of the cross-entropy on the data token, KL(target || draft), TV(draft, target) and
+    # the confidence head's BCE against 1 - TV (DeepSpec's recipe: 0.1, 0, 1.8 = 0.9 x L1, 1.0).
+    dspark_ce_alpha: float = 0.1
+    dspark_kl_alpha: float = 0.0
+    dspark_tv_alpha: float = 1.8
+    dspark_confidence_alpha: float = 1.0
     # Attention of each draft layer, "full_attention" or "sliding_attention"; null: all full.
     layer_types: list[str] | None = None
     # sliding_attention layers see keys less than this many positions from the query (reference rule).

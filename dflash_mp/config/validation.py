@@ -11,6 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from dflash_mp.config.dspark_checks import dspark_problems
 from dflash_mp.config.schema import CONF_DIR, ConfigError, RootConfig, is_embedded_target
 from dflash_mp.config.target_checks import target_problems
 from dflash_mp.config.xpress_checks import xpress_problems
@@ -42,7 +43,7 @@ def _at_least(problems: list[str], name: str, value: float, low: float, hint: st
 
 
 def _validate_dflash2(problems: list[str], m: Any) -> None:
-    _choice(problems, "model.arch", m.arch, ("dflash", "dflash2", "xpress"))
+    _choice(problems, "model.arch", m.arch, ("dflash", "dflash2", "xpress", "dspark"))
     if m.arch != "dflash2":
         return
     for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
@@ -265,6 +266,7 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
         problems.append(f"model.block_size={m.block_size!r}: must be >= 2 (one known token + masks)")
     _validate_dflash2(problems, m)
     problems += xpress_problems(cfg)
+    problems += dspark_problems(cfg)
     _validate_layers_and_scaling(problems, m)
     _at_least(problems, "data.max_length", d.max_length, 8)
     _at_least(problems, "data.num_anchors", d.num_anchors, 1)

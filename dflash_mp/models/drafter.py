@@ -28,6 +28,7 @@ from dflash_mp.kernels.flash_attention import flash_block_attention
 from dflash_mp.models.block_rows import BlockRows, expand_rows, scored_rows
 from dflash_mp.models.dflash2 import CandidateSelector, GroupedDynamicConv
 from dflash_mp.models.drafter_config import SCALING_DEFAULTS, drafter_arch
+from dflash_mp.models.dspark import ConfidenceHead, MarkovHead, build_heads
 from dflash_mp.models.qwen3_layers import GatedMLP, RMSNorm, rotary_embedding, rotate_half
 from dflash_mp.models.xpress import XPressRefiner
 
@@ -248,6 +249,17 @@ class DFlashDrafter(nn.Module):
                 int(dflash["xpress_rank"]),
                 int(dflash["xpress_mlp_ratio"]),
             )
+        # DSpark (models/dspark.py): a Markov logit bias and a confidence head on the DFlash layers.
+        self.markov_head: MarkovHead | None = None
+        self.confidence_head: ConfidenceHead | None = None
+        self.sample_from_anchor = False
+        self.confidence_with_markov = False
+        if self.arch == "dspark":
+            self.markov_head, self.confidence_head = build_heads(
+                dflash, config.vocab_size, config.hidden_size
+            )
+            self.sample_from_anchor = bool(dflash["sample_from_anchor"])
+            self.confidence_with_markov = bool(dflash["confidence_head_with_markov"])
         self.init_weights(torch.Generator().manual_seed(seed))
 
     @torch.no_grad()
@@ -264,7 +276,9 @@ class DFlashDrafter(nn.Module):
         added = {
             id(inner)
             for module in self.modules()
-            if isinstance(module, (GroupedDynamicConv, CandidateSelector, XPressRefiner))
+            if isinstance(
+                module, (GroupedDynamicConv, CandidateSelector, XPressRefiner, MarkovHead, ConfidenceHead)
+            )
             for inner in module.modules()
         }
         for module in self.modules():
@@ -284,6 +298,9 @@ class DFlashDrafter(nn.Module):
             self.candidate_selector.init_weights(std, generator)
         if self.refiner_head is not None:
             self.refiner_head.init_weights(generator)
+        for head in (self.markov_head, self.confidence_head):
+            if head is not None:
+                head.init_weights(std, generator)
 
     def logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
         """The draft logits of hidden states through the target's head, as the reference computes them."""

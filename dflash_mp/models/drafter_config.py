@@ -8,6 +8,7 @@ from typing import Any
 
 from transformers import PretrainedConfig, Qwen3Config
 
+from dflash_mp.models.dspark import DSPARK_DEFAULTS, DSPARK_FIELDS, dspark_field_problems
 from dflash_mp.models.qwen3_layers import rotary_embedding
 from dflash_mp.models.target_fields import REQUIRED_TARGET_FIELDS, with_standard_names
 
@@ -25,7 +26,12 @@ _DENSE_WIDTH = re.compile(r"(dense|mlp)_intermediate_size|intermediate_size_(den
 # are 1-D text positions, for which multimodal RoPE (mrope_section) equals plain RoPE.
 _DROPPED_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "xpress": "XPressDraftModel"}
+ARCHITECTURES = {
+    "dflash": "DFlashDraftModel",
+    "dflash2": "DFlash2DraftModel",
+    "xpress": "XPressDraftModel",
+    "dspark": "DSparkSpeculator",
+}
 # dflash_config fields of a DFlash 2 drafter (the reference, vLLM and the MLX loader read them there).
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # dflash_config fields of an XPress drafter (speculators' XPressSpeculatorConfig names; models/xpress.py).
@@ -193,6 +199,8 @@ def drafter_arch(config: PretrainedConfig) -> str:
     dflash = getattr(config, "dflash_config", None) or {}
     if all(key in dflash for key in XPRESS_FIELDS):
         return "xpress"
+    if all(key in dflash for key in DSPARK_FIELDS):
+        return "dspark"
     return "dflash2" if all(key in dflash for key in DFLASH2_FIELDS) else "dflash"
 
 
@@ -208,6 +216,7 @@ def build_drafter_config(
     sliding_window: int | None = None,
     scaling: dict[str, float | None] | None = None,
     xpress: dict[str, int] | None = None,
+    dspark: dict[str, Any] | None = None,
 ) -> Qwen3Config:
     """The drafter's config: the target's layer shapes, `draft_layers` layers and the DFlash fields.
 
@@ -233,7 +242,7 @@ def build_drafter_config(
         problems.append(
             f"mask_token_id {mask_token_id} is outside the target vocabulary [0, {target['vocab_size']})"
         )
-    extra: dict[str, int] = {}
+    extra: dict[str, Any] = {}
     if arch == "dflash2":
         extra = {key: int((dflash2 or {}).get(key, 0)) for key in DFLASH2_FIELDS}
         if min(extra.values()) < 1:
@@ -253,6 +262,9 @@ def build_drafter_config(
                 f"arch xpress needs positive xpress_rank and xpress_mlp_ratio and num_jacobi_passes >= 0, "
                 f"got {xpress}"
             )
+    elif arch == "dspark":  # models/dspark.py; unset fields take speculators' defaults
+        extra = {**DSPARK_DEFAULTS, **(dspark or {})}
+        problems += [f"arch dspark: {problem}" for problem in dspark_field_problems(extra)]
     elif arch != "dflash":
         problems.append(f"arch {arch!r} must be one of {sorted(ARCHITECTURES)}")
     layer_types = list(layer_types) if layer_types else ["full_attention"] * draft_layers

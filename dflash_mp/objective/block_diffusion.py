@@ -21,6 +21,7 @@ from dflash_mp.kernels.fused_ce import ce_and_grad_in_place, fused_ce_runs_on
 from dflash_mp.kernels.top_k import top_k_ids
 from dflash_mp.models.block_rows import BlockRows, scored_rows
 from dflash_mp.objective.draft_blocks import DraftBlocks, context_positions, draft_blocks
+from dflash_mp.objective.dspark_loss import DSparkLossWeights, dspark_loss
 from dflash_mp.objective.position_weights import loss_row_weights
 from dflash_mp.objective.selector_loss import SelectorStats, TopK, selector_loss
 from dflash_mp.objective.xpress_loss import XPressWeights, xpress_drafter_loss
@@ -324,6 +325,7 @@ def drafter_loss(
     row_tokens: int | None = None,
     dpace_alpha: float | None = None,
     xpress: XPressWeights | None = None,
+    dspark: DSparkLossWeights | None = None,
 ) -> tuple[Tensor, LossStats]:
     """The DFlash loss of one micro-batch; shared by the reference trainer and the drafter ranks.
 
@@ -344,6 +346,9 @@ def drafter_loss(
         options = dict(seed=seed, num_anchors=num_anchors, gamma=gamma, attention=attention)
         blocks = loss_blocks(drafter, batch, **options, row_tokens=row_tokens)
     drafter_module = getattr(drafter, "module", drafter)
+    if getattr(drafter_module, "arch", "dflash") == "dspark":  # its own labels, forward and terms
+        weights = dspark or DSparkLossWeights()
+        return dspark_loss(drafter, embed_weight, head_weight, batch, blocks, gamma, weights)  # type: ignore[return-value]
     input_ids = batch.input_ids
     batch_size, seq_len = input_ids.shape
     labels, weights = blocks.labels, blocks.weights

@@ -233,6 +233,8 @@ class DraftBlocks(NamedTuple):
     mask: Any  # BlockMask (flex), TileMask (flash) or dense bool (sdpa); or one per layer type
     context_positions: Tensor | None = None  # [B, S] packed rows' positions in their documents
     before_anchor: Tensor | None = None  # [B, N] the token before each anchor (XPress's refiner reads it)
+    anchors: Tensor | None = None  # [B, N] anchor positions (DSpark's labels: dspark_loss.py)
+    valid: Tensor | None = None  # [B, N] bool: the anchor slot holds an anchor
 
 
 def draft_blocks(
@@ -290,4 +292,6 @@ def draft_blocks(
         mask = {"full_attention": mask, "sliding_attention": sliding}
     # An anchor has context before it in its own document (p >= 1), so p - 1 is that document's.
     before_anchor = batch.input_ids.gather(1, (anchors - 1).clamp(min=0))
-    return DraftBlocks(ids, positions, labels, weights, mask, context, before_anchor)
+    return DraftBlocks(
+        ids, positions, labels, weights, mask, context, before_anchor, anchors=anchors, valid=valid
+    )

@@ -250,3 +250,39 @@ def dspark_loss(
         ),
     }
     return loss, stats
+
+
+def loss_weights(m: Any) -> DSparkLossWeights:
+    """The loss weights of model config `m` (model.dspark_*_alpha)."""
+    return DSparkLossWeights(
+        float(m.dspark_ce_alpha),
+        float(m.dspark_kl_alpha),
+        float(m.dspark_tv_alpha),
+        float(m.dspark_confidence_alpha),
+    )
+
+
+def dspark_metrics(totals: Tensor, correct: Tensor, count: Tensor, micro_batches: float) -> dict[str, object]:
+    """The metrics record's DSpark fields from the step's all-reduced sums of `dspark_metrics_stats`
+    and the per-position correct/count [Bs]: the four terms (mean over micro-batches with loss
+    tokens), the actual accept rate 1 - TV next to the confidence head's prediction (mean, and per
+    block position), the expected accepted length per block (bonus included) from each, and the
+    greedy accuracy at every block position (index 0 included: with sample_from_anchor it drafts)."""
+    values = totals.double().tolist()
+    block = count.shape[0]
+    scored, blocks, per_count = max(values[7], 1.0), max(values[10], 1.0), count.double().clamp_min(1)
+    by_position = totals[11:].double().view(2, block) / per_count
+    return {
+        "dspark_ce": values[0] / max(micro_batches, 1),
+        "dspark_kl": values[1] / max(micro_batches, 1),
+        "dspark_tv": values[2] / max(micro_batches, 1),
+        "confidence_bce": values[3] / max(micro_batches, 1),
+        "accept_rate": values[4] / scored,
+        "confidence_pred": values[5] / scored,
+        "confidence_abs_error": values[6] / scored,
+        "accept_len": values[8] / blocks,
+        "accept_len_predicted": values[9] / blocks,
+        "accept_by_position": by_position[0].tolist(),
+        "confidence_by_position": by_position[1].tolist(),
+        "dspark_acc": (correct.double() / per_count).tolist(),
+    }

@@ -7,6 +7,7 @@ import itertools
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from dflash_mp.config.dspark_checks import feature_layer_ids
 from dflash_mp.config.precision import resolve_cuda_graphs
 from dflash_mp.config.schema import RootConfig, read_target_config, resolved_target_layer_ids
 from dflash_mp.data import DataOrder, MicroBatch, MicroBatchReader, Records, packing, padded_width
@@ -99,7 +100,8 @@ def make_feature_extractor(
     num_layers = int(read_target_config(cfg.model.target_path)["num_hidden_layers"])
     extractor = TargetFeatureExtractor(
         cfg.model.target_path,
-        resolved_target_layer_ids(cfg, num_layers),
+        # DSpark's loss also reads the normed last layer (the teacher's distribution): dspark_checks.py.
+        feature_layer_ids(resolved_target_layer_ids(cfg, num_layers), num_layers, cfg.model),
         dtype=dtype,
         device=device,
         trust_remote_code=cfg.model.trust_remote_code,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from dflash_mp.config.dspark_checks import dspark_fields
 from dflash_mp.config.mask_token import mask_token_id
 from dflash_mp.config.schema import RootConfig, read_target_config, resolved_target_layer_ids
 from dflash_mp.models.drafter import DFlashDrafter
@@ -41,5 +42,6 @@ def build_drafter(cfg: RootConfig) -> DFlashDrafter:
         sliding_window=cfg.model.sliding_window,
         scaling={key: getattr(cfg.model, key) for key in SCALING_DEFAULTS},
         xpress={key: getattr(cfg.model, key) for key in XPRESS_FIELDS},
+        dspark=dspark_fields(cfg.model),
     )
     return DFlashDrafter(config, seed=cfg.train.seed)

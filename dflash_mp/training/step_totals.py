@@ -41,6 +41,7 @@ class StepTotals:
     token_counts: list = field(default_factory=list)
     selector: dict = field(default_factory=dict)  # DFlash 2 selector stats (selector_loss.py)
     xpress: list = field(default_factory=list)  # XPress loss terms per micro-batch (xpress_loss.py)
+    dspark: list = field(default_factory=list)  # DSpark sums per micro-batch (dspark_loss.py)
 
     def add(self, batch: Features, loss: torch.Tensor, stats: dict) -> None:
         """One micro-batch's loss and stats (`drafter_loss`), without reading anything back."""
@@ -59,6 +60,8 @@ class StepTotals:
         add_selector_stats(self.selector, stats.get("selector"))
         if "xpress" in stats:
             self.xpress.append(stats["xpress"])
+        if "dspark" in stats:
+            self.dspark.append(stats["dspark"].detach())
 
     def pack(
         self, block: int, device: torch.device, stop_requested: bool, dflash2: bool, xpress: bool = False
@@ -93,6 +96,10 @@ class StepTotals:
                 correct.to(device, torch.float64),
                 count.to(device, torch.float64),
                 pack_selector_totals(self.selector, block, device, dflash2),
+                # DSpark's sums share the selector's slot (a drafter has one or the other, or neither).
+                torch.stack(self.dspark).sum(0).to(device, torch.float64)
+                if self.dspark
+                else torch.zeros(0, dtype=torch.float64, device=device),
                 _xpress_totals(self.xpress, device, xpress),
             ]
         )

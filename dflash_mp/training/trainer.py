@@ -26,6 +26,7 @@ from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.target_checkpoint import load_embedding_and_head
 from dflash_mp.objective.block_diffusion import drafter_loss, loss_blocks, per_position_accuracy
 from dflash_mp.objective.draft_blocks import DraftBlocks
+from dflash_mp.objective.dspark_loss import dspark_metrics, loss_weights
 from dflash_mp.objective.position_weights import dpace_alpha_of
 from dflash_mp.objective.selector_loss import selector_metrics
 from dflash_mp.objective.xpress_loss import xpress_metrics, xpress_weights
@@ -179,6 +180,7 @@ class DrafterTrainer:
                 blocks=prepared.blocks,
                 dpace_alpha=dpace_alpha_of(self.cfg.train),
                 xpress=xpress_weights(self.cfg.model),
+                dspark=loss_weights(self.cfg.model),
             )
             if empty:
                 loss = loss * 0.0
@@ -296,6 +298,8 @@ class DrafterTrainer:
             record.update(selector_metrics(host.selector, host.count, host.scored))
         if xpress:
             record.update(xpress_metrics(host.xpress, host.scored))
+        if self.drafter.arch == "dspark":  # its sums travel in the selector's slot (step_totals.py)
+            record.update(dspark_metrics(host.selector, host.correct, host.count, host.scored))
         record.update(extra or {})
         self.totals = StepTotals()
         if skip_reason == "nonfinite":
