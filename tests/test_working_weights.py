@@ -19,8 +19,11 @@ from tests.test_trainer import _micro_batch
 OVERRIDES = ["train.max_steps=4", "train.micro_batch_size=2"]
 
 
-def _trainers(grad_accum: int, group=None, arch: str = "dflash") -> tuple[DrafterTrainer, DrafterTrainer]:
-    cfg = to_dataclass(compose_config([*OVERRIDES, f"train.grad_accum={grad_accum}", f"model.arch={arch}"]))
+def _trainers(
+    grad_accum: int, group=None, arch: str = "dflash", optim: str = "adamw"
+) -> tuple[DrafterTrainer, DrafterTrainer]:
+    overrides = [*OVERRIDES, f"train.grad_accum={grad_accum}", f"model.arch={arch}", f"optim={optim}"]
+    cfg = to_dataclass(compose_config(overrides))
     working = DrafterTrainer(cfg, torch.device("cpu"), 4, group=group, working_weights=True)
     reference = DrafterTrainer(cfg, torch.device("cpu"), 4, group=group, working_weights=False)
     reference.autocast = torch.autocast("cpu", dtype=torch.bfloat16)  # fp32 weights, cast by autocast
@@ -111,6 +114,23 @@ def _data_parallel(rank: int, port: int, grad_accums: tuple[int, ...], results) 
                 assert ours["grad_norm"] == theirs["grad_norm"]
             _assert_same_training(working, reference)
             results[rank, grad_accum] = True
+        # optim=muon (training/muon.py): both drafters take the same update from the all-reduced
+        # gradients, with working weights as with fp32 ones.
+        working, reference = _trainers(2, group=dist.group.WORLD, optim="muon")
+        batch = _micro_batch(working.cfg)
+        if rank == 1:
+            batch = type(batch)(**{**vars(batch), "sample_ids": batch.sample_ids + 7})
+        for _ in range(2):
+            ours, theirs = _step(working, [batch] * 2), _step(reference, [batch] * 2)
+            assert ours["loss"] == theirs["loss"] and ours["grad_norm"] == theirs["grad_norm"]
+        weights = torch.cat([p.detach().flatten() for p in working.drafter.state_dict().values()])
+        gathered = [torch.empty_like(weights) for _ in range(2)]
+        dist.all_gather(gathered, weights)
+        assert torch.equal(gathered[0], gathered[1])  # the drafters stay identical
+        ours_state, theirs_state = working.training_state(), reference.training_state()
+        for name, value in theirs_state.model.items():
+            assert torch.equal(ours_state.model[name], value), name
+        results[rank, "muon"] = True
     finally:
         dist.destroy_process_group()
 
@@ -124,4 +144,5 @@ def test_data_parallel_drafters_reduce_working_gradients_in_fp32() -> None:
     with spawn_pool.manager() as manager:
         results = manager.dict()
         spawn_pool.start_processes(_data_parallel, args=(port, (1, 2), results), nprocs=2)
-        assert dict(results) == {(rank, accum): True for rank in (0, 1) for accum in (1, 2)}
+        expected = {(rank, accum): True for rank in (0, 1) for accum in (1, 2, "muon")}
+        assert dict(results) == expected
