@@ -145,3 +145,22 @@ def test_position_weights_and_alpha_are_checked_by_name() -> None:
         dpace_weights(torch.ones(1, 3), torch.ones(1, 3, dtype=torch.bool), 0.0)
     with pytest.raises(ValueError, match="train.position_weights"):
         dpace_alpha_of(SimpleNamespace(position_weights="x", dpace_alpha=0.5))
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_the_trainer_trains_with_dpace_for_both_archs(arch: str) -> None:
+    """train.position_weights reaches the loss of a training step (DFlash and DFlash 2)."""
+    from dflash_mp.training.trainer import DrafterTrainer
+    from tests.test_trainer import _micro_batch
+
+    records = {}
+    for weights in ("decay", "dpace"):
+        overrides = [f"model.arch={arch}", "train.max_steps=2", "train.micro_batch_size=2"]
+        cfg = to_dataclass(compose_config([*overrides, f"train.position_weights={weights}"]))
+        trainer = DrafterTrainer(cfg, torch.device("cpu"), total_steps=2)
+        trainer.micro_step(_micro_batch(cfg), last_of_step=True)
+        records[weights] = trainer.optimizer_step()
+    assert not records["dpace"]["skipped"] and records["dpace"]["grad_norm"] > 0
+    assert abs(records["dpace"]["loss"] - records["decay"]["loss"]) > 1e-3
+    if arch == "dflash2":
+        assert records["dpace"]["selector_loss"] != records["decay"]["selector_loss"]
