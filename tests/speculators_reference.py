@@ -29,7 +29,11 @@ def speculators_module(name: str) -> types.ModuleType:
         if "speculators" in sys.modules and getattr(sys.modules["speculators"], "__file__", None):
             sys.modules.pop("speculators")  # a failed full import: fall back to the bare modules
     _bare_packages()
-    return importlib.import_module(f"speculators.{name}")
+    module = importlib.import_module(f"speculators.{name}")
+    # What the package's __init__ ends with: the config classes' schemas over what is registered.
+    importlib.import_module("speculators.models.dspark")
+    sys.modules["speculators.config"].reload_schemas()
+    return module
 
 
 def _bare_packages() -> None:
