@@ -18,9 +18,9 @@ CONFIG_GROUPS = ("data", "eval", "logger", "model", "optim", "topology", "train"
 # Names that read like `group.key` but are files (model.safetensors) or Python objects.
 FILE_SUFFIXES = ("safetensors", "json", "jsonl", "yaml", "py", "md", "txt", "log", "parquet", "arrow")
 # Roots of the repository's own paths; a cited path under one of them must exist.
-REPO_ROOTS = ("dflash_mp/", "bench/", "tests/", "conf/", "docs/", "launch/", ".ci/")
+REPO_ROOTS = ("dflash_mp/", "bench/", "tests/", "conf/", "docs/", "slurm/", ".ci/")
 # Where scripts name the package's modules (`python -m dflash_mp.X`, Hydra's `_target_:`).
-SCRIPTS = sorted([REPO / "Makefile", *(REPO / "launch").glob("*.sbatch"), *(REPO / "conf").rglob("*.yaml")])
+SCRIPTS = sorted([REPO / "Makefile", *(REPO / "slurm").glob("*.sbatch"), *(REPO / "conf").rglob("*.yaml")])
 
 
 def _text(path: Path) -> str:

@@ -1,5 +1,5 @@
 """Batch jobs: a Hydra sweep of whole jobs (each point its own torchrun job), and
-launch/slurm.sbatch run with stand-ins for SLURM's srun and scontrol: a job trained on two
+slurm/train.sbatch run with stand-ins for SLURM's srun and scontrol: a job trained on two
 "nodes" of this machine (the multi-node path on loopback) and the script's requeue decisions."""
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ exit $(( first ? first : second ))
 
 @pytest.mark.slow
 def test_the_sbatch_script_trains_on_two_nodes_with_stand_ins_for_srun_and_scontrol(tmp_path):
-    """launch/slurm.sbatch as SLURM would run it on 2 nodes of one "GPU" each: two torchrun agents
+    """slurm/train.sbatch as SLURM would run it on 2 nodes of one "GPU" each: two torchrun agents
     in one c10d rendezvous on loopback, the target on one node and the drafter on the other (roles
     go by global rank: whole nodes can hold one role), then the script's verdict on the job."""
     bin_dir, run = tmp_path / "bin", tmp_path / "slurm-run"
@@ -158,7 +158,7 @@ def test_the_sbatch_script_trains_on_two_nodes_with_stand_ins_for_srun_and_scont
     proc = subprocess.run(
         [
             "bash",
-            "launch/slurm.sbatch",
+            "slurm/train.sbatch",
             "topology.targets=1",
             "topology.drafters=1",
             "train.max_steps=3",
@@ -233,7 +233,7 @@ sys.exit(1)  # torchrun's exit code whenever a worker did not exit 0
 def test_the_sbatch_script_requeues_only_a_real_preemption_and_only_so_often(
     tmp_path, scenario, attempt, code, requeued
 ):
-    """launch/slurm.sbatch's decisions, with srun standing in for a job that a rank failure tore down
+    """slurm/train.sbatch's decisions, with srun standing in for a job that a rank failure tore down
     (the survivors checkpointed and wrote PREEMPTED) or that SLURM's USR1 stopped."""
     bin_dir, run = tmp_path / "bin", tmp_path / "slurm-run"
     bin_dir.mkdir()
@@ -255,7 +255,7 @@ def test_the_sbatch_script_requeues_only_a_real_preemption_and_only_so_often(
     )
     env |= dict(FAKE_SCENARIO=scenario, FAKE_SRUN_ARGS=str(tmp_path / "srun.json"))
     proc = subprocess.run(
-        ["bash", "launch/slurm.sbatch", "topology.targets=1", "topology.drafters=1"],
+        ["bash", "slurm/train.sbatch", "topology.targets=1", "topology.drafters=1"],
         cwd=REPO,
         env=env,
         capture_output=True,

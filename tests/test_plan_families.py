@@ -159,10 +159,10 @@ def test_a_preset_whose_target_path_is_there_plans_that_config(tmp_path: Path, m
 
 
 def test_the_docs_table_is_what_plan_prints(capsys) -> None:
-    """docs/targets-plan.md holds the generated table, and each row's numbers are `plan --json`'s."""
+    """docs/TARGETS.md holds the generated table, and each row's numbers are `plan --json`'s."""
     generated = table(8, BENCH, FAMILIES)
-    doc = (REPO / "docs" / "targets-plan.md").read_text()
-    assert generated in doc, "regenerate it: python -m dflash_mp.plan.families_table (docs/targets-plan.md)"
+    doc = (REPO / "docs" / "TARGETS.md").read_text()
+    assert generated in doc, "regenerate it: python -m dflash_mp.plan.families_table (docs/TARGETS.md)"
     rows = generated.splitlines()[2:]
     assert len(rows) == len(FAMILY_PRESETS)
     for line, (_, presets) in zip(rows, FAMILY_PRESETS, strict=True):

@@ -20,7 +20,7 @@ e.g. tensor-parallel efficiency), given (a flag) or estimated (shapes only).
 Rooms: costs.py (parameters, FLOPs and bytes of a shape), measured.py (reading the benchmark and
 families JSON), targets.py (what --target names, which entry measured it), layouts.py (rates and
 memory per layout, the candidates), cli.py (arguments and output), families_table.py (the table
-of docs/targets-plan.md); memory.py (a rank's peak GPU memory, term by term), memory_check.py (the
+of docs/TARGETS.md); memory.py (a rank's peak GPU memory, term by term), memory_check.py (the
 preflight's memory line) and memory_cli.py (`python -m dflash_mp.plan memory`).
 """
 

@@ -1,4 +1,4 @@
-"""The table of docs/targets-plan.md, one `plan` per family preset:
+"""The table of docs/TARGETS.md (its measured target stage per family), one `plan` per family preset:
 `python -m dflash_mp.plan.families_table [--gpus 8] [--bench FILE] [--families FILE]`.
 
 Every number in it is what `python -m dflash_mp.plan --gpus N --bench FILE --target PRESET` prints
