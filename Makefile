@@ -20,7 +20,7 @@ BENCH_RANKS ?= 2
 GPUS ?= 8
 BENCH ?= bench/results/h200x2-qwen3-8b.json
 TARGET ?=
-# Benchmark files for `make eval-benchmarks`, [NAME=]FILE each (docs/benchmarks-eval.md).
+# Benchmark files for `make eval-benchmarks`, [NAME=]FILE each (docs/evaluation-and-serving.md).
 BENCHMARKS ?=
 
 .PHONY: help setup test lint format train eval eval-benchmarks plot start status stop doctor bench plan clean

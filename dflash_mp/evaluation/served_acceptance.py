@@ -7,7 +7,7 @@ The evaluation prompts go one at a time to the server's /v1/chat/completions wit
 evaluation's max tokens and temperature, plain sampling (top-p 1, no top-k or min-p) and the run's
 data.chat_template_kwargs. The engine's counters give its mean acceptance length as
 1 + accepted drafts / verify rounds: the bonus token once per round and the prefill's token not,
-as tau in `dflash_mp.evaluation.decoding`. docs/served-acceptance.md has what is compared and why they differ.
+as tau in `dflash_mp.evaluation.decoding`. docs/evaluation-and-serving.md ("Served acceptance") has what is compared and why they differ.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Served acceptance beside the local evaluation: the comparison, its console report and the usual
-causes of a disagreement (docs/served-acceptance.md); `served_acceptance` measures it."""
+causes of a disagreement (docs/evaluation-and-serving.md, "Served acceptance"); `served_acceptance` measures it."""
 
 from __future__ import annotations
 
