@@ -15,6 +15,9 @@ A DFlash 2 drafter proposes through its candidate selector, as the reference's `
 from the anchor, each block position picks among the target head's top-K logits given the
 previous pick (argmax, or a sample from q = softmax(scores / T) over the K candidates); rejection
 sampling then reads q as a distribution over the vocabulary, zero outside the candidates.
+
+A DSpark drafter proposes through its Markov head, one position after the other over the block it
+drafted in parallel (`dspark_decoding.py`); with sample_from_anchor every row proposes (B per block).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash_mp.evaluation.dspark_decoding import drafts_per_block, dspark_propose
 
 if TYPE_CHECKING:  # annotations only: the preflight imports this without the models
     from dflash_mp.models.drafter import DFlashDrafter
@@ -217,6 +222,8 @@ def _propose(
             torch.arange(start, start + size, device=device)[None],
             mask,
         )
+    if getattr(drafter, "arch", "dflash") == "dspark":  # a Markov chain over the block: dspark_decoding.py
+        return dspark_propose(drafter, hidden[0], head, first_token, temperature, generator, top_k, top_p)
     # Output at block index k guesses the token at start + k; index 0 is the known token.
     if refiner is not None:
         logits = xpress_logits(drafter, hidden.to(head.weight.dtype), head, first_token, before_first)[1:proposed]
@@ -255,7 +262,7 @@ def speculative_generate(
     device = target.get_input_embeddings().weight.device
     stop = set(stop_token_ids)
     max_length = len(prompt_ids) + max_new_tokens
-    drafted, accepted_at = [0] * (block_size - 1), [0] * (block_size - 1)
+    drafted, accepted_at = [0] * drafts_per_block(drafter), [0] * drafts_per_block(drafter)
     acceptance_lengths = []
     _synchronize(device)
     began = time.perf_counter()

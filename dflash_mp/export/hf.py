@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
-from dflash_mp.export import modeling_dflash
+from dflash_mp.export import dspark_export, modeling_dflash
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import ARCHITECTURES
 from dflash_mp.run.checkpoint import fsync_path
@@ -74,10 +74,16 @@ def export_drafter(
     saved_dtype = next(iter(state.values())).dtype
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        (staging / CONFIG_NAME).write_text(_config_json(drafter, saved_dtype))
+        files = [staging / CONFIG_NAME, staging / WEIGHTS_NAME]
+        if drafter.arch == "dspark":  # speculators' format, which vLLM serves (dspark_export.py)
+            dtype_name = str(saved_dtype).removeprefix("torch.")
+            (staging / CONFIG_NAME).write_text(dspark_export.dspark_config_json(drafter, dtype_name))
+        else:
+            (staging / CONFIG_NAME).write_text(_config_json(drafter, saved_dtype))
+            shutil.copyfile(modeling_dflash.__file__, staging / MODELING_NAME)
+            files.append(staging / MODELING_NAME)
         save_file(state, staging / WEIGHTS_NAME, metadata={"format": "pt"})
-        shutil.copyfile(modeling_dflash.__file__, staging / MODELING_NAME)
-        for path in (staging / CONFIG_NAME, staging / WEIGHTS_NAME, staging / MODELING_NAME):
+        for path in files:
             path.chmod(FILE_MODE)
             fsync_path(path)
         staging.chmod(DIR_MODE)  # mkdtemp made it private
@@ -108,6 +114,8 @@ def load_exported_drafter(path: str | Path) -> DFlashDrafter:
     """A drafter from an export directory, with parameters in the dtype they were saved in."""
     path = Path(path)
     config = Qwen3Config.from_json_file(path / CONFIG_NAME)
+    if dspark_export.is_speculators_dspark(config.to_dict()):
+        config = dspark_export.drafter_config_from_speculators(json.loads((path / CONFIG_NAME).read_text()))
     drafter = DFlashDrafter(config)
     drafter.load_state_dict(load_file(path / WEIGHTS_NAME), strict=True, assign=True)
     return drafter
