@@ -9,7 +9,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_mp.launch import doctor
 from dflash_mp.config.schema import ConfigError, compose_config
 from dflash_mp.config.validation import validate
 from dflash_mp.data.benchmark_sets import (
@@ -21,6 +20,7 @@ from dflash_mp.data.benchmark_sets import (
     resolve_benchmarks,
     split_spec,
 )
+from dflash_mp.launch import doctor
 from tests.test_config import QWEN3_8B_SHAPE
 
 # One record of each set, with the fields its publisher's file has (values shortened).

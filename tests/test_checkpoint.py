@@ -286,8 +286,8 @@ def _save_steps_20_and_30(run_dir: Path) -> None:
 
 def _check_resume(run_dir: Path, *overrides: str):
     """doctor.check_resume of a 1t1d resume whose other settings match _layout()."""
-    from dflash_mp.launch import doctor
     from dflash_mp.config.schema import compose_config, to_dataclass
+    from dflash_mp.launch import doctor
 
     base = [
         "train.resume=true",

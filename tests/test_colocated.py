@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from dflash_mp.launch import doctor
 from dflash_mp.config.schema import ConfigError, compose_config, to_dataclass
 from dflash_mp.config.validation import processes_per_job, validate
+from dflash_mp.launch import doctor
 from dflash_mp.launch.outcome import role_of_rank
 from dflash_mp.runtime.topology import Role, Topology
 from dflash_mp.runtime.watchdog import EXIT_PREEMPTED, read_heartbeats

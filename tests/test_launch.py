@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mp.launch import doctor
 from dflash_mp.config.schema import compose_config
 from dflash_mp.embedded import embedded_path
-from dflash_mp.launch import outcome, supervisor
+from dflash_mp.launch import doctor, outcome, supervisor
 from dflash_mp.run import processes
 from dflash_mp.run.rundir import LOCK_NAME
 from dflash_mp.runtime.watchdog import EXIT_PREEMPTED

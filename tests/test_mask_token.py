@@ -16,8 +16,8 @@ from dflash_mp.config.mask_token import (
 )
 from dflash_mp.config.schema import ConfigError, compose_config, run_config, to_dataclass
 from dflash_mp.config.validation import validate
-from dflash_mp.launch.doctor import check_config
 from dflash_mp.embedded import embedded_path
+from dflash_mp.launch.doctor import check_config
 from dflash_mp.training.recipe import build_drafter
 
 QWEN3_MASK_ID = 151669  # len(Qwen3's tokenizer), the id of the published Qwen3 DFlash drafters
