@@ -213,6 +213,12 @@ def dspark_loss(
         teacher_rows = (positions - 1).clamp(0, seq_len - 1).flatten(1)
         last = features[..., width : width + hidden_size]
         teacher = last.gather(1, teacher_rows[..., None].expand(-1, -1, hidden_size)).flatten(0, 1)
+    elif alphas.kl or alphas.tv or module.confidence_head is not None:
+        raise ValueError(
+            f"DSpark's KL, TV and confidence terms need the target's last layer in the features "
+            f"({features.shape[-1]} wide, the drafter reads {width}): make the target with "
+            "dspark_checks.feature_layer_ids (the runtime does)"
+        )
     by_block = hidden.reshape(-1, block_size, hidden_size)
     prev_ids = previous_tokens(
         labels.reshape(-1, block_size), blocks.ids[:, ::block_size].reshape(-1), module.sample_from_anchor
