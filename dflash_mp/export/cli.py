@@ -1,6 +1,8 @@
 """`python -m dflash_mp.export RUN_DIR [--step N] [--out DIR] [--dtype bfloat16|float32]`
 
 exports a checkpoint of a run (the newest, or step N) to RUN_DIR/export (or DIR).
+`--speculators` writes an XPress drafter (model.arch=xpress) in speculators' format instead, for
+vLLM's XPress method (docs/evaluation-and-serving.md, XPress).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="dtype of the exported weights"
     )
+    parser.add_argument(
+        "--speculators", action="store_true", help="speculators' format (model.arch=xpress drafters)"
+    )
     args = parser.parse_args(argv)
     try:
         drafter = drafter_from_checkpoint(args.run_dir, step=args.step)
@@ -36,6 +41,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dflash_mp.export: {e}", file=sys.stderr)
         return 2
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    if args.speculators:
+        from dflash_mp.export.speculators_format import export_run_speculators
+
+        try:
+            print(export_run_speculators(drafter, args.run_dir, args.out, dtype))
+        except ValueError as e:
+            print(f"dflash_mp.export: {e}", file=sys.stderr)
+            return 2
+        return 0
     out_dir = export_drafter(drafter, args.out or args.run_dir / "export", dtype=dtype)
     print(out_dir)
     if note := vllm_path_note(out_dir):

@@ -96,3 +96,18 @@ def export_speculators(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def export_run_speculators(
+    drafter: DFlashDrafter, run_dir: Path, out_dir: Path | None, dtype: torch.dtype
+) -> Path:
+    """`export_speculators` of a run's drafter to `out_dir` (default RUN_DIR/export-speculators), the
+    verifier being the run's model.target_path with its config.json's architectures."""
+    from omegaconf import OmegaConf
+
+    target = str(OmegaConf.load(Path(run_dir) / "config.yaml").model.target_path)
+    target_config = json.loads((Path(target) / "config.json").read_text())
+    architectures = list(target_config.get("architectures") or [])
+    return export_speculators(
+        drafter, out_dir or Path(run_dir) / "export-speculators", target, architectures, dtype
+    )
