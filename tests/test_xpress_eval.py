@@ -126,3 +126,25 @@ def test_speculative_decoding_with_xpress_is_the_targets_greedy(setup: dict) -> 
         generator=torch.Generator().manual_seed(2),
     )
     assert 0 < len(sampled.new_tokens) <= NEW_TOKENS
+
+
+def test_bad_xpress_fields_are_refused_naming_the_key_and_the_fix() -> None:
+    from dflash_mp.config.schema import ConfigError, compose_config
+    from dflash_mp.config.validation import validate
+
+    bad = compose_config(
+        [
+            "model.arch=xpress",
+            "model.xpress_rank=0",
+            "model.num_jacobi_passes=-1",
+            "model.xpress_consistency_weight=-0.5",
+        ]
+    )
+    with pytest.raises(ConfigError) as refused:
+        validate(bad, world_size=3)
+    message = str(refused.value)
+    assert "model.xpress_rank=0: must be an integer >= 1" in message
+    assert "model.num_jacobi_passes=-1: must be an integer >= 0" in message
+    assert "model.xpress_consistency_weight=-0.5: must be a number >= 0" in message
+    with pytest.raises(ConfigError, match="model.arch='xpres'.*'xpress'"):
+        validate(compose_config(["model.arch=xpres"]), world_size=3)
