@@ -223,7 +223,9 @@ def _propose(
             mask,
         )
     if getattr(drafter, "arch", "dflash") == "dspark":  # a Markov chain over the block: dspark_decoding.py
-        return dspark_propose(drafter, hidden[0], head, first_token, temperature, generator, top_k, top_p)
+        return dspark_propose(
+            drafter, hidden[0], head, first_token, temperature, generator, sampling_probs, top_k, top_p
+        )
     # Output at block index k guesses the token at start + k; index 0 is the known token.
     if refiner is not None:
         logits = xpress_logits(drafter, hidden.to(head.weight.dtype), head, first_token, before_first)[1:proposed]

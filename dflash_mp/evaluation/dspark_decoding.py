@@ -11,6 +11,7 @@ from the q it is judged by.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,13 +34,13 @@ def dspark_propose(
     first_token: int,
     temperature: float,
     generator: torch.Generator | None,
+    sampling_probs: Callable[[Tensor, float, int, float], Tensor],
     top_k: int = 0,
     top_p: float = 1.0,
 ) -> tuple[list[int], Tensor | None]:
     """Proposals of a block whose drafter hidden states are `hidden` [size, H] (row 0 at the block's
-    first token), and with temperature > 0 the distribution each was drawn from, [n, V]."""
-    from dflash_mp.evaluation.decoding import sampling_probs
-
+    first token), and with temperature > 0 the distribution each was drawn from, [n, V]
+    (`sampling_probs(logits, T, top_k, top_p)`: decoding.py's cut, the target's too)."""
     markov = drafter.markov_head
     base = drafter.logits(hidden.to(head.weight.dtype), head)
     first = torch.tensor([first_token], device=hidden.device)
