@@ -1,13 +1,21 @@
-"""DSpark's config fields: bad values are refused naming the key and the fix, and the target ranks
-send the teacher's layer only when the loss reads it."""
+"""DSpark's config fields: bad values are refused naming the key and the fix, the target ranks send
+the teacher's layer only when the loss reads it, and the loss trains both heads from it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
+from transformers import Qwen3Config
 
 from dflash_mp.config.dspark_checks import feature_layer_ids
 from dflash_mp.config.schema import ConfigError, compose_config, to_dataclass
 from dflash_mp.config.validation import validate
+from dflash_mp.models.drafter import DFlashDrafter
+from dflash_mp.models.drafter_config import build_drafter_config
+from dflash_mp.objective.block_diffusion import drafter_loss
+from dflash_mp.objective.dspark_loss import DSparkLossWeights
 
 
 def _problems(*overrides: str) -> str:
@@ -61,3 +69,56 @@ def test_the_teacher_layer_is_sent_only_when_the_loss_reads_it() -> None:
     )
     assert feature_layer_ids([1, 2], 6, ce_only.model) == [1, 2]
     assert feature_layer_ids([1, 2], 6, to_dataclass(compose_config([])).model) == [1, 2]
+
+
+def _tiny_loss(features_width_layers: int, **fields):
+    """A DSpark drafter's loss on one random micro-batch whose features hold that many target layers."""
+    target = Qwen3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=97,
+    )
+    config = build_drafter_config(
+        target, 1, [1], block_size=4, mask_token_id=96, arch="dspark", dspark={"markov_rank": 4, **fields}
+    )
+    drafter = DFlashDrafter(config, seed=0)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, 96, (2, 20), generator=generator)
+    batch = SimpleNamespace(
+        input_ids=input_ids,
+        loss_mask=torch.ones_like(input_ids),
+        lengths=torch.tensor([20, 16]),
+        sample_ids=torch.arange(2),
+        epoch=0,
+        hidden_states=torch.randn(2, 20, 32 * features_width_layers, generator=generator),
+    )
+    embed, head = torch.randn(97, 32, generator=generator), torch.randn(97, 32, generator=generator)
+    weights = DSparkLossWeights(ce=1.0, kl=0.0, tv=0.0 if features_width_layers == 1 else 1.0, confidence=1.0)
+    loss, stats = drafter_loss(
+        drafter, embed, head, batch, seed=0, num_anchors=3, gamma=2.0, attention="sdpa", dspark=weights
+    )
+    return drafter, loss, stats
+
+
+def test_the_loss_trains_both_heads_from_the_teacher_layer() -> None:
+    drafter, loss, stats = _tiny_loss(2)
+    loss.backward()
+    for name in (
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "confidence_head.proj.weight",
+    ):
+        assert dict(drafter.named_parameters())[name].grad.abs().sum() > 0, name
+    assert stats["count"][0] > 0  # sample_from_anchor: position 0 is scored
+    assert 0 < float(stats["dspark"][2]) < 1  # TV to the teacher
+
+
+def test_without_the_teacher_layer_only_the_ce_trains() -> None:
+    with pytest.raises(ValueError, match="need the target's last layer in the features"):
+        _tiny_loss(1)
+    _, loss, _ = _tiny_loss(1, enable_confidence_head=False)
+    assert torch.isfinite(loss)
