@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-import benchlib as bl
+from benchlib.shapes import SHAPES
 from layout import Layout, LayoutError, resolve_layout
 from sections import DEFAULT_SECTIONS, NAMES
 
@@ -38,7 +38,16 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p = argparse.ArgumentParser(
         description=(description or __doc__).split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
-    p.add_argument("--shape", choices=sorted(bl.SHAPES), default="qwen3-8b")
+    _add_shape_and_layout(p)
+    _add_lengths(p)
+    _add_sections(p)
+    _add_workload(p)
+    return _completed(p, p.parse_args(argv))
+
+
+def _add_shape_and_layout(p: argparse.ArgumentParser) -> None:
+    """The model shape, the device, the output and the ranks of each role."""
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument(
         "--out",
@@ -55,6 +64,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         default=1,
         help="target ranks per tensor-parallel replica (divides --targets)",
     )
+
+
+def _add_lengths(p: argparse.ArgumentParser) -> None:
+    """Batch sizes, how long each section warms up and measures, the profile and the matmul."""
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--warmup", type=int, help="warm-up iterations/steps of every section (>= 1)")
@@ -80,6 +93,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         help="also write the profiled steps as a gzipped Chrome trace to this file (chrome://tracing, Perfetto)",
     )
     p.add_argument("--matmul-n", type=int, help="matmul side (default: 8192 on GPU shapes)")
+
+
+def _add_sections(p: argparse.ArgumentParser) -> None:
+    """Which sections run, their time limits, the seed."""
     p.add_argument(
         "--sections",
         default=",".join(DEFAULT_SECTIONS),
@@ -96,6 +113,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         "--peer-grace", type=float, default=30.0, help="s to wait on a peer that reported a failure"
     )
     p.add_argument("--seed", type=int, default=0)
+
+
+def _add_workload(p: argparse.ArgumentParser) -> None:
+    """What a step computes: the drafter's rows, the data, the block and row shapes, overrides, faults."""
     p.add_argument(
         "--compute-every-row",
         action="store_true",
@@ -133,7 +154,10 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         default="",
         help="testing aid: SECTION:RANK:raise|hang[:CALL] fails that rank there (pipeline: at its CALL-th micro-batch)",
     )
-    args = p.parse_args(argv)
+
+
+def _completed(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The per-shape defaults filled in, counts at least 1, the sections and the fault parsed."""
     defaults = DEFAULTS["tiny" if args.shape == "tiny" else "gpu"]
     for key, value in defaults.items():
         if getattr(args, key) is None:

@@ -13,12 +13,27 @@ import threading
 import time
 import traceback
 
-import benchlib as bl
 import torch
 import torch.distributed as dist
+from benchlib.compile_watch import install_recompile_log
+from benchlib.jsonio import deep_merge, gather_json, read_json, write_json
+from benchlib.shapes import predicted_memory
 from benchlib.state import BenchState
+from benchlib.timing import memory_report, memory_reset
+from benchlib.watchdog import Watchdog
 from layout import ROLES, Layout
-from sections import SECTIONS
+from sections import (
+    NAMES,
+    colocated,
+    drafter,
+    matmul_peak,
+    pipeline,
+    profile,
+    setup,
+    target,
+    tp_check,
+    transport,
+)
 from summary import summarize
 from table import print_table
 
@@ -36,6 +51,19 @@ TWO_RANKS_ONLY = {"pipeline", "transport"}
 SINGLE_RANK_SKIP = "needs 2 ranks (1 target + 1 drafter); this run has 1"
 # Sections that need a drafter rank: a target-only layout (--drafters 0) records them as skipped.
 DRAFTER_SECTIONS = {"drafter_only", "profile", "pipeline", "transport"}
+# name -> its module, in running order (sections.NAMES).
+SECTIONS = {
+    "matmul_peak": matmul_peak,
+    "setup": setup,
+    "drafter_only": drafter,
+    "target_only": target,
+    "target_parallel_check": tp_check,
+    "profile": profile,
+    "pipeline": pipeline,
+    "transport": transport,
+    "colocated": colocated,
+}
+assert tuple(SECTIONS) == NAMES, "sections.NAMES and SECTIONS list the same sections in one order"
 
 
 class Bench(BenchState):
@@ -60,8 +88,8 @@ class Bench(BenchState):
         self.process_elapsed = 0.0
         self.comm_failed = False
         self._aborting = threading.Lock()
-        bl.install_recompile_log()
-        self.watchdog = bl.Watchdog(self._peer_state, self._abort, grace_s=args.peer_grace)
+        install_recompile_log()
+        self.watchdog = Watchdog(self._peer_state, self._abort, grace_s=args.peer_grace)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -87,7 +115,7 @@ class Bench(BenchState):
                 "compile": self.compiled,
                 "activation_checkpointing": self.cfg.train.activation_checkpointing,
                 # dflash_mp.plan.memory's peaks for this shape and layout, beside the measured ones.
-                "memory_prediction": bl.predicted_memory(
+                "memory_prediction": predicted_memory(
                     self.shape, self.cfg, max(1, self.layout.drafters), self.world
                 ),
                 "torch": torch.__version__,
@@ -104,13 +132,13 @@ class Bench(BenchState):
         }
 
     def _write_partial(self) -> None:
-        bl.write_json(self.partial_paths[self.rank], self.partial)
+        write_json(self.partial_paths[self.rank], self.partial)
 
     def _peers(self) -> list[dict]:
         return [
             state
             for rank, path in enumerate(self.partial_paths)
-            if rank != self.rank and (state := bl.read_json(path)) is not None
+            if rank != self.rank and (state := read_json(path)) is not None
         ]
 
     def _peer_state(self) -> dict | None:
@@ -140,7 +168,7 @@ class Bench(BenchState):
         if errors:
             section["errors"] = errors
         for r in records:
-            bl.deep_merge(section, r.get("result") or {})
+            deep_merge(section, r.get("result") or {})
         return section
 
     def _abort(self, phase: str, reason: str) -> None:
@@ -182,7 +210,7 @@ class Bench(BenchState):
     def _finalize_json(self) -> None:
         self.merged["summary"] = summarize(self.merged)
         self.merged["total_s"] = time.perf_counter() - self.process_start
-        bl.write_json(self.args.out, self.merged)
+        write_json(self.args.out, self.merged)
 
     def _skip_reason(self, name: str) -> str | None:
         sections = self.merged["sections"]
@@ -232,7 +260,7 @@ class Bench(BenchState):
                 self._finalize_json()
             return
         self.log(f"{name}: start")
-        bl.memory_reset(self.device)
+        memory_reset(self.device)
         timeout = SECTIONS[name].TIMEOUT_S * self.args.timeout_scale
         self.watchdog.arm(name, timeout)
         start = time.perf_counter()
@@ -253,7 +281,7 @@ class Bench(BenchState):
             "error": error,
             "elapsed_s": time.perf_counter() - start,
             "process_elapsed_s": time.perf_counter() - self.process_start,
-            "memory": bl.memory_report(self.device),
+            "memory": memory_report(self.device),
             "result": result,
         }
         self.partial["sections"][name] = record
@@ -262,7 +290,7 @@ class Bench(BenchState):
         # The other rank may still be in its part of this section (e.g. compiling): wait as long.
         self.watchdog.arm(f"exchange:{name}", timeout + 60)
         try:
-            records = bl.gather_json(record, self.job.meta_group)
+            records = gather_json(record, self.job.meta_group)
         except Exception as e:
             self._abort(f"exchange:{name}", f"exchange with the other rank failed: {type(e).__name__}: {e}")
         self.watchdog.disarm()

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from layout import layout_of, rank_of
 
 # The sections that run the layout itself (colocated is another layout; target_parallel_check
 # holds a one-GPU reference beside the shard; profile watches one step): memory per GPU is theirs.
 LAYOUT_SECTIONS = ("setup", "drafter_only", "target_only", "pipeline", "transport")
+TP_CHECK_KEYS = (
+    "max_rel_diff",
+    "max_abs_diff",
+    "within_tolerance",
+    "tp_samples_per_s",
+    "tp1_samples_per_s",
+    "tp_speedup",
+    "tp_scaling_efficiency",
+)
 
 
 def _get(d: dict, *keys):
@@ -96,65 +107,83 @@ def peak_memory_gib(merged: dict) -> dict:
     return result
 
 
-def summarize(merged: dict) -> dict:
-    """Headline numbers (a pure function of the sections; None where a section did not run)."""
-    s = merged["sections"]
-    layout = layout_of(merged["setup"])
-    k, replicas, drafters = layout["target_parallel"], len(layout["replicas"]), layout["drafters"]
-    peaks = {
-        r: v.get("tflops")
-        for r, v in (_get(s, "matmul_peak", "per_rank") or {}).items()
-        if isinstance(v, dict)
-    }
+def _matmul_tflops(s: dict) -> tuple[dict, dict]:
+    """Each rank's measured matmul peak and its sustained rate (TFLOP/s)."""
+    per_rank = (_get(s, "matmul_peak", "per_rank") or {}).items()
+    peaks = {r: v.get("tflops") for r, v in per_rank if isinstance(v, dict)}
     sustained = {
         r: v.get("sustained_tflops")
-        for r, v in (_get(s, "matmul_peak", "per_rank") or {}).items()
+        for r, v in per_rank
         if isinstance(v, dict) and v.get("sustained_tflops") is not None
     }
-    target_rate = _get(s, "target_only", "samples_per_s")
-    drafter_rate = _get(s, "drafter_only", "samples_per_s")
-    pipeline_rate = _get(s, "pipeline", "samples_per_s")
-    colocated_ranks = [
+    return peaks, sustained
+
+
+def _colocated_rate(s: dict, world: int) -> float | None:
+    """Samples/s of every rank running the colocated pair (2 ranks under DDP, or the one rank alone),
+    also written into the section with its tokens/s and its rate per GPU."""
+    per_rank = [
         v["samples_per_s"]
         for v in (_get(s, "colocated", "per_rank") or {}).values()
         if "samples_per_s" in (v or {})
     ]
-    world = merged["setup"].get("world_size", 2)
-    # Every rank ran the colocated pair (2 ranks under DDP, or the one rank alone).
-    colocated_rate = sum(colocated_ranks) if len(colocated_ranks) == world else None
-    colocated_per_gpu = colocated_rate / world if colocated_rate is not None else None
-    if colocated_rate is not None:
-        s["colocated"]["samples_per_s_total"] = colocated_rate
-        # Real tokens: chat-shaped rows (--data chat*) hold fewer than seq_len.
-        s["colocated"]["tokens_per_s_total"] = sum(
-            v.get("tokens_per_s", 0.0) for v in s["colocated"]["per_rank"].values()
-        )
-        s["colocated"]["samples_per_s_per_gpu"] = colocated_per_gpu
-    # The layout's stage capacities: every replica's rate and every drafter rank's, summed.
-    targets_total = _stage_total(s.get("target_only"), "per_replica", target_rate, replicas)
-    drafters_total = _stage_total(s.get("drafter_only"), "per_rank", drafter_rate, drafters)
-    bottleneck = min(targets_total, drafters_total) if targets_total and drafters_total else None
-    efficiency = pipeline_rate / bottleneck if pipeline_rate and bottleneck else None
+    if len(per_rank) != world:
+        return None
+    rate = sum(per_rank)
+    s["colocated"]["samples_per_s_total"] = rate
+    # Real tokens: chat-shaped rows (--data chat*) hold fewer than seq_len.
+    s["colocated"]["tokens_per_s_total"] = sum(
+        v.get("tokens_per_s", 0.0) for v in s["colocated"]["per_rank"].values()
+    )
+    s["colocated"]["samples_per_s_per_gpu"] = rate / world
+    return rate
+
+
+def _pipeline(
+    s: dict,
+    layout: dict,
+    target_rate: float | None,
+    drafter_rate: float | None,
+    system_mfu: Callable[[float | None], float | None],
+) -> dict:
+    """The pipeline against the layout's stage capacities (every replica's rate and every drafter
+    rank's, summed): its efficiency, also written into the section, and which stage bounds it."""
+    rate = _get(s, "pipeline", "samples_per_s")
+    targets = _stage_total(s.get("target_only"), "per_replica", target_rate, len(layout["replicas"]))
+    drafters = _stage_total(s.get("drafter_only"), "per_rank", drafter_rate, layout["drafters"])
+    bottleneck = min(targets, drafters) if targets and drafters else None
+    efficiency = rate / bottleneck if rate and bottleneck else None
     if efficiency is not None:
         s["pipeline"]["efficiency"] = efficiency
         s["pipeline"]["efficiency_definition"] = (
             "pipeline samples/s / min(target-only samples/s of all replicas, drafter-only samples/s "
             "of all drafter ranks)"
         )
+    return {
+        "samples_per_s": rate,
+        "tokens_per_s": _get(s, "pipeline", "tokens_per_s"),
+        "efficiency": efficiency,
+        "bottleneck": None if not bottleneck else ("target" if targets <= drafters else "drafter"),
+        "targets_samples_per_s": targets,
+        "drafters_samples_per_s": drafters,
+        "system_mfu": system_mfu(rate),
+        "target_busy_frac": _get(s, "pipeline", "target_busy_frac"),
+        "drafter_busy_frac": _get(s, "pipeline", "drafter_busy_frac"),
+    }
+
+
+def _useful_flops_per_sample(s: dict, micro_batch: int) -> float | None:
+    """The target's forward and the drafter's step per sample."""
     target_flops = _get(s, "setup", "target", "flops_per_seq")
     drafter_flops_mb = _get(s, "setup", "drafter", "flops_per_micro_batch")
-    micro_batch = merged["setup"]["micro_batch"]
-    per_sample = (
-        target_flops + drafter_flops_mb / micro_batch
-        if target_flops is not None and drafter_flops_mb
-        else None
-    )
-    total_peak = sum(peaks.values()) * 1e12 if len(peaks) == world and all(peaks.values()) else None
+    if target_flops is None or not drafter_flops_mb:
+        return None
+    return target_flops + drafter_flops_mb / micro_batch
 
-    def system_mfu(rate):
-        return rate * per_sample / total_peak if rate and per_sample and total_peak else None
 
-    target_rank, drafter_rank = rank_of(merged["setup"], "target"), rank_of(merged["setup"], "drafter")
+def _peak_memory_gb(s: dict, setup: dict) -> dict:
+    """The peak of each role's rank in its own section and in the pipeline, and of colocated's two."""
+    target_rank, drafter_rank = rank_of(setup, "target"), rank_of(setup, "drafter")
     memory = {}
     for label, section, rank in (
         ("target_only", "target_only", target_rank),
@@ -166,66 +195,76 @@ def summarize(merged: dict) -> dict:
     ):
         report = _get(s, section, "per_rank", rank, "memory") or {}
         memory[label] = report.get("peak_allocated_gb", report.get("host_peak_rss_gb"))
-    gpu_peaks: dict[str, float] = {}
+    return memory
+
+
+def _peak_memory_gb_per_gpu(s: dict) -> dict[str, float]:
+    """Every rank's highest peak over the layout's own sections (LAYOUT_SECTIONS)."""
+    peaks: dict[str, float] = {}
     for name in LAYOUT_SECTIONS:
-        section = s.get(name)
-        for rank, entry in ((section or {}).get("per_rank") or {}).items():
+        for rank, entry in ((s.get(name) or {}).get("per_rank") or {}).items():
             report = (entry or {}).get("memory") or {}
             peak = report.get("peak_allocated_gb", report.get("host_peak_rss_gb"))
             if peak is not None:
-                gpu_peaks[rank] = max(gpu_peaks.get(rank, 0.0), peak)
-    pipeline_recompiles = {
-        rank: entry.get("recompiles_after_warmup", entry.get("target_recompiles_after_warmup"))
-        for rank, entry in (_get(s, "pipeline", "per_rank") or {}).items()
-        if "recompiles_after_warmup" in entry or "target_recompiles_after_warmup" in entry
-    }
-    recompiles = {
+                peaks[rank] = max(peaks.get(rank, 0.0), peak)
+    return peaks
+
+
+def _recompiles_after_warmup(s: dict) -> tuple[dict, dict]:
+    """Recompilations after the warmup: per timed section, and per pipeline rank."""
+    per_section = {
         "drafter_only": _get(s, "drafter_only", "recompiles_after_warmup"),
         "target_only": _get(s, "target_only", "recompiles_after_warmup"),
         "pipeline_drafter": _get(s, "pipeline", "recompiles_after_warmup"),
         "colocated_rank0": _get(s, "colocated", "per_rank", "0", "recompiles_after_warmup"),
         "colocated_rank1": _get(s, "colocated", "per_rank", "1", "recompiles_after_warmup"),
     }
+    pipeline_per_rank = {
+        rank: entry.get("recompiles_after_warmup", entry.get("target_recompiles_after_warmup"))
+        for rank, entry in (_get(s, "pipeline", "per_rank") or {}).items()
+        if "recompiles_after_warmup" in entry or "target_recompiles_after_warmup" in entry
+    }
+    return per_section, pipeline_per_rank
+
+
+def _picked(section: dict | None, keys: tuple[str, ...]) -> dict:
+    return {key: _get(section, key) for key in keys}
+
+
+def summarize(merged: dict) -> dict:
+    """Headline numbers (a pure function of the sections; None where a section did not run)."""
+    s, setup = merged["sections"], merged["setup"]
+    layout = layout_of(setup)
+    k, world = layout["target_parallel"], setup.get("world_size", 2)
+    peaks, sustained = _matmul_tflops(s)
+    target_rate = _get(s, "target_only", "samples_per_s")
+    drafter_rate = _get(s, "drafter_only", "samples_per_s")
+    colocated_rate = _colocated_rate(s, world)
+    per_sample = _useful_flops_per_sample(s, setup["micro_batch"])
+    total_peak = sum(peaks.values()) * 1e12 if len(peaks) == world and all(peaks.values()) else None
+
+    def system_mfu(rate: float | None) -> float | None:
+        return rate * per_sample / total_peak if rate and per_sample and total_peak else None
+
+    pipeline = _pipeline(s, layout, target_rate, drafter_rate, system_mfu)
+    pipeline_rate = pipeline["samples_per_s"]
+
+    recompiles, pipeline_recompiles = _recompiles_after_warmup(s)
     projection = projection_of_8(target_rate, drafter_rate, k) if target_rate and drafter_rate else None
-    check = s.get("target_parallel_check") or {}
+    drafter_only = s.get("drafter_only")
     summary = {
         "layout": layout["name"],
         "matmul_peak_tflops": peaks,
         "matmul_sustained_tflops": sustained,
-        "target_only": {
-            "samples_per_s": target_rate,
-            "ms_per_seq": _get(s, "target_only", "ms_per_seq"),
-            "mfu": _get(s, "target_only", "mfu"),
-        },
-        "drafter_only": {
-            "samples_per_s": drafter_rate,
-            "ms_per_step": _get(s, "drafter_only", "ms_per_step"),
-            "mfu": _get(s, "drafter_only", "mfu"),
-            "mfu_head_as_trainable": _get(s, "drafter_only", "mfu_head_as_trainable"),
-            "mfu_at_sustained_matmul_rate": _get(s, "drafter_only", "mfu_at_sustained_matmul_rate"),
-            "energy_j_per_step": _get(s, "drafter_only", "power", "energy_j_per_step"),
-            "mean_power_w": _get(s, "drafter_only", "power", "mean_power_w"),
-            "power_capped_share": _get(s, "drafter_only", "power", "power_capped_share"),
-        },
-        "transport": {
-            "gb_per_s": _get(s, "transport", "gb_per_s"),
-            "msgs_per_s": _get(s, "transport", "msgs_per_s"),
-            "raw_gb_per_s": _get(s, "transport", "raw_gb_per_s"),
-            "raw_gib_per_s": _get(s, "transport", "raw_gib_per_s"),
-        },
-        "pipeline": {
-            "samples_per_s": pipeline_rate,
-            "tokens_per_s": _get(s, "pipeline", "tokens_per_s"),
-            "efficiency": efficiency,
-            "bottleneck": None
-            if not bottleneck
-            else ("target" if targets_total <= drafters_total else "drafter"),
-            "targets_samples_per_s": targets_total,
-            "drafters_samples_per_s": drafters_total,
-            "system_mfu": system_mfu(pipeline_rate),
-            "target_busy_frac": _get(s, "pipeline", "target_busy_frac"),
-            "drafter_busy_frac": _get(s, "pipeline", "drafter_busy_frac"),
-        },
+        "target_only": {"samples_per_s": target_rate} | _picked(s.get("target_only"), ("ms_per_seq", "mfu")),
+        "drafter_only": {"samples_per_s": drafter_rate}
+        | _picked(
+            drafter_only,
+            ("ms_per_step", "mfu", "mfu_head_as_trainable", "mfu_at_sustained_matmul_rate"),
+        )
+        | _picked(_get(drafter_only, "power"), ("energy_j_per_step", "mean_power_w", "power_capped_share")),
+        "transport": _picked(s.get("transport"), ("gb_per_s", "msgs_per_s", "raw_gb_per_s", "raw_gib_per_s")),
+        "pipeline": pipeline,
         "colocated": {
             "samples_per_s": colocated_rate,
             "system_mfu": system_mfu(colocated_rate),
@@ -234,28 +273,21 @@ def summarize(merged: dict) -> dict:
             else None,
         },
         "target_parallel_check": {
-            key: check.get(key)
-            for key in (
-                "max_rel_diff",
-                "max_abs_diff",
-                "within_tolerance",
-                "tp_samples_per_s",
-                "tp1_samples_per_s",
-                "tp_speedup",
-                "tp_scaling_efficiency",
-            )
+            key: (s.get("target_parallel_check") or {}).get(key) for key in TP_CHECK_KEYS
         },
         # A replica's rate per GPU it takes.
         "per_gpu": per_gpu_rates(
-            target_rate / k if target_rate else None, drafter_rate, colocated_per_gpu, projection
+            target_rate / k if target_rate else None,
+            drafter_rate,
+            colocated_rate / world if colocated_rate is not None else None,
+            projection,
         ),
-        "peak_memory_gb": memory,
+        "peak_memory_gb": _peak_memory_gb(s, setup),
         # GiB, as the GPU's size and the preflight's prediction are given.
         "peak_memory_gib": peak_memory_gib(merged),
-        # Every rank's highest peak over the layout's own sections (LAYOUT_SECTIONS).
-        "peak_memory_gb_per_gpu": gpu_peaks,
+        "peak_memory_gb_per_gpu": _peak_memory_gb_per_gpu(s),
         "peak_memory_kind": "torch.cuda.max_memory_allocated"
-        if merged["setup"]["device"] == "cuda"
+        if setup["device"] == "cuda"
         else "host peak RSS (CPU run)",
         "time_to_first_step_s": {
             "drafter_cold_compile": _get(s, "drafter_only", "first_step_s"),
@@ -267,13 +299,13 @@ def summarize(merged: dict) -> dict:
         "recompiles_after_warmup_pipeline_per_rank": pipeline_recompiles,
         "useful_flops_per_sample": per_sample,
         "projection_8_gpus": projection,
-        "profile": {
-            key: _get(s, "profile", key)
-            for key in ("wall_ms_per_step", "device_ms_per_step", "idle_ms_per_step", "phases_ms_per_step")
-        },
+        "profile": _picked(
+            s.get("profile"),
+            ("wall_ms_per_step", "device_ms_per_step", "idle_ms_per_step", "phases_ms_per_step"),
+        ),
         "statuses": {name: sec.get("status") for name, sec in s.items()},
     }
-    if merged["setup"].get("world_size") == 1:
+    if setup.get("world_size") == 1:
         summary["peak_memory_note"] = (
             "1 rank plays both roles: each section's peak includes the other role's resident objects"
         )

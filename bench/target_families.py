@@ -37,10 +37,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository, when not installed
 
-import benchlib as bl  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from benchlib.family_shapes import FAMILY_SHAPES, FamilyShape  # noqa: E402
+from benchlib.timing import GB, Marks, distribution, matmul_peak, memory_reset, sync  # noqa: E402
 
 from dflash_mp.models import moe_experts  # noqa: E402
 from dflash_mp.models.moe_experts import EXPERTS_IMPLEMENTATION  # noqa: E402
@@ -73,32 +73,32 @@ def attention_flops(config, layers_run: int, s: int) -> int:
 
 def timed(forward, device: torch.device, warmup: int, iters: int) -> dict:
     """First call (compile included), then mean ms over `iters` after `warmup` and the peak memory."""
-    bl.memory_reset(device)
+    memory_reset(device)
     start = time.perf_counter()
     out = forward()
-    bl.sync(device)
+    sync(device)
     first_s = time.perf_counter() - start
     for _ in range(warmup):
         out = forward()
-    bl.sync(device)
-    marks = bl.Marks(device)
+    sync(device)
+    marks = Marks(device)
     marks.mark()
     issued = time.perf_counter()
     for _ in range(iters):
         out = forward()
         marks.mark()
     issued = time.perf_counter() - issued  # the host's time to issue the calls (no sync inside)
-    bl.sync(device)
+    sync(device)
     times = marks.intervals()
     result = {
         "first_call_s": first_s,
         "ms": sum(times) / len(times) * 1e3,
-        "forward_time": bl.distribution(times),
+        "forward_time": distribution(times),
         # Near `ms`: the device waited for the host (launch overhead or a sync in the forward).
         "host_ms": issued / iters * 1e3,
     }
     if device.type == "cuda":
-        result["peak_allocated_gb"] = torch.cuda.max_memory_allocated(device) / bl.GB
+        result["peak_allocated_gb"] = torch.cuda.max_memory_allocated(device) / GB
     return result, out
 
 
@@ -111,7 +111,7 @@ def top_kernels(forward, device: torch.device, calls: int = 2, top: int = 25) ->
     with profile(activities=activities) as prof:
         for _ in range(calls):
             forward()
-        bl.sync(device)
+        sync(device)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     rows = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
     total = sum(getattr(e, key) for e in rows)
@@ -149,7 +149,7 @@ def measure(
         "layers_run": len(decoder.layers),
         "params_layers_run": total,
         "active_params_layers_run": active,
-        "weights_gb": sum(p.numel() * p.element_size() for p in decoder.parameters()) / bl.GB,
+        "weights_gb": sum(p.numel() * p.element_size() for p in decoder.parameters()) / GB,
         "matmul_flops_per_forward": linear_flops,
         "attention_flops_per_forward": b * attention_flops(config, len(decoder.layers), s),
         "hf_implementations": {
@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"comma list of {', '.join(FAMILY_SHAPES)}")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--out", default="bench-target-families.json")
-    # A stage compiled from a cold inductor cache speeds up over its next calls: Qwen3-30B-A3B on an
-    # H200 took 67.9 ms after 2 warm-up calls, 52.7 after 30 (50.3 with a warm cache).
+    # A stage compiled from a cold inductor cache speeds up over its next calls (BENCHMARKS.md, "Warm
+    # a MoE forward up well before timing it").
     p.add_argument("--warmup", type=int, default=30, help="calls after the first (compiling) one")
     p.add_argument("--iters", type=int, default=5, help="measured forwards per variant")
     p.add_argument("--seed", type=int, default=0)
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     start = time.perf_counter()
-    peak = bl.matmul_peak(device, 8192 if cuda else 256, warmup=3, iters=50 if cuda else 3)
+    peak = matmul_peak(device, 8192 if cuda else 256, warmup=3, iters=50 if cuda else 3)
     report: dict = {
         "schema": "dflash_mp.bench.target_families/1",
         "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",

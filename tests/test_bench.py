@@ -285,14 +285,14 @@ def test_steps_that_skip_their_update_as_non_finite_fail_the_section_instead_of_
 
 def test_a_rare_non_finite_step_is_counted_not_fatal() -> None:
     sys.path.insert(0, str(REPO / "bench"))
-    import benchlib as bl
+    from benchlib.timing import count_nonfinite
 
     fine, bad = {"skip_reason": None}, {"skip_reason": "nonfinite"}
     no_tokens = {"skip_reason": "no_loss_tokens"}
-    assert bl.count_nonfinite("drafter_only", [bad] + [fine] * 9 + [no_tokens]) == 1
+    assert count_nonfinite("drafter_only", [bad] + [fine] * 9 + [no_tokens]) == 1
     with pytest.raises(FloatingPointError, match="2 of 10 measured steps"):
-        bl.count_nonfinite("drafter_only", [bad, bad] + [fine] * 8)
-    assert bl.count_nonfinite("drafter_only", []) == 0
+        count_nonfinite("drafter_only", [bad, bad] + [fine] * 8)
+    assert count_nonfinite("drafter_only", []) == 0
 
 
 def test_build_random_target_runs_the_layers_it_reads() -> None:
@@ -346,11 +346,12 @@ def test_profile_section_reports_device_time_by_phase(every_section) -> None:
 
 
 def test_the_benchmarks_device_initialised_drafter_starts_as_training_does() -> None:
-    """DeviceInitDrafter (bench/benchlib/synthetic.py) draws its own random stream but must leave
-    what training leaves: every norm at 1, whatever class the drafter's norms are."""
+    """DeviceInitDrafter (bench/benchlib/synthetic.py) runs the drafter's own init on its device: every
+    norm at 1, whatever class the drafter's norms are, and on CPU training's weights for the seed."""
     sys.path.insert(0, str(REPO / "bench"))
     from benchlib.synthetic import DeviceInitDrafter
 
+    from dflash_mp.models.drafter import DFlashDrafter
     from dflash_mp.models.drafter_config import build_drafter_config
 
     target = Qwen3Config(
@@ -363,8 +364,11 @@ def test_the_benchmarks_device_initialised_drafter_starts_as_training_does() -> 
     with torch.no_grad():
         for norm in norms:
             norm.weight.fill_(3.0)
-    drafter.init_weights(torch.Generator())
+    drafter.init_weights(torch.Generator().manual_seed(0))
     assert all(torch.equal(norm.weight, torch.ones_like(norm.weight)) for norm in norms)
+    # On CPU it is the drafter's own init: the weights training starts from with the same seed.
+    trained = DFlashDrafter(drafter.config, seed=0).state_dict()
+    assert all(torch.equal(value, trained[name]) for name, value in drafter.state_dict().items())
 
 
 def test_chat_shaped_packed_rows_report_their_real_token_rate(tmp_path: Path) -> None:

@@ -22,8 +22,9 @@ from tests.conftest import REPO
 from tests.test_bench import _positive, run_bench
 
 sys.path.insert(0, str(REPO / "bench"))
-import benchlib as bl  # noqa: E402
+from benchlib.shapes import SHAPES  # noqa: E402
 from benchlib.state import BenchState  # noqa: E402
+from benchlib.synthetic import random_target  # noqa: E402
 from layout import Layout, LayoutError, resolve_layout  # noqa: E402
 from summary import projection_of_8  # noqa: E402
 
@@ -65,7 +66,7 @@ def test_layouts_that_do_not_fit_the_ranks_are_refused_naming_the_flags(
 
 
 def test_llama3_70b_shape_is_llama_3_70b_and_its_drafter_follows_its_hidden_size() -> None:
-    shape = bl.SHAPES["llama3-70b"]
+    shape = SHAPES["llama3-70b"]
     config = shape.target_config()
     assert isinstance(config, LlamaConfig)  # Llama's base_model_tp_plan splits it
     assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (80, 8192, 28672)
@@ -74,7 +75,7 @@ def test_llama3_70b_shape_is_llama_3_70b_and_its_drafter_follows_its_hidden_size
     assert set(layer_plan(config)) >= {"self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"}
     assert (shape.seq_len, shape.num_anchors, shape.block_size, shape.draft_layers) == (3072, 512, 16, 5)
     drafter = build_drafter_config(
-        config, shape.draft_layers, shape.layer_ids, shape.block_size, shape.vocab - 1
+        config, shape.draft_layers, shape.layer_ids, shape.block_size, shape.target.vocab - 1
     )
     assert (drafter.hidden_size, drafter.intermediate_size, drafter.num_hidden_layers) == (8192, 28672, 5)
     assert drafter.rope_parameters["rope_theta"] == 500000.0
@@ -85,15 +86,15 @@ def test_llama3_70b_shape_is_llama_3_70b_and_its_drafter_follows_its_hidden_size
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_target_weight_bytes_is_what_the_built_target_holds(family: str) -> None:
-    shape = replace(bl.SHAPES["tiny"], family=family)
-    extractor = bl.random_target(shape, torch.float32, torch.device("cpu"), seed=0, compile_layers=False)
+    shape = replace(SHAPES["tiny"], target=replace(SHAPES["tiny"].target, model_type=family))
+    extractor = random_target(shape, torch.float32, torch.device("cpu"), seed=0, compile_layers=False)
     held = sum(t.numel() * t.element_size() for t in extractor.parameters())
     assert shape.target_weight_bytes(4) == held
 
 
 def _bench_like(shape: str, target_parallel: int) -> SimpleNamespace:
     return SimpleNamespace(
-        shape=bl.SHAPES[shape],
+        shape=SHAPES[shape],
         dtype=torch.bfloat16,
         gpu_memory_bytes=H200_BYTES,
         target_parallel=target_parallel,
@@ -149,9 +150,7 @@ def test_tensor_parallel_target_replica_feeds_a_drafter(tmp_path) -> None:
     check = sections["target_parallel_check"]
     # fp32: the split only reorders sums.
     assert check["within_tolerance"] is True and check["max_rel_diff"] < 1e-4, check
-    assert _positive(check["reference_max_abs"]) and len(check["per_layer"]) == len(
-        bl.SHAPES["tiny"].layer_ids
-    )
+    assert _positive(check["reference_max_abs"]) and len(check["per_layer"]) == len(SHAPES["tiny"].layer_ids)
     assert _positive(check["tp_samples_per_s"]) and _positive(check["tp1_samples_per_s"])
     assert check["ranks"] == [0, 1] and set(check["per_rank"]) >= {"0", "1"}
 

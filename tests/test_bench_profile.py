@@ -15,22 +15,26 @@ from dflash_mp.training.trainer import DrafterTrainer
 from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
-import benchlib as bl  # noqa: E402
+from benchlib import power, timing  # noqa: E402
+from benchlib.power import PowerMeter  # noqa: E402
+from benchlib.shapes import SHAPES, bench_config  # noqa: E402
+from benchlib.synthetic import SyntheticReader, random_drafter, random_embed_and_head, received_form  # noqa: E402
+from benchlib.timing import matmul_peak  # noqa: E402
 from sections.profile import PHASES, TOP_KERNELS, phase_breakdown, profile_drafter_steps  # noqa: E402
 
 
 def _profile(*overrides: str, top_kernels: int = TOP_KERNELS) -> dict:
-    shape, device = bl.SHAPES["tiny"], torch.device("cpu")
-    cfg = bl.bench_config(shape, device, 1, 1, list(overrides))
+    shape, device = SHAPES["tiny"], torch.device("cpu")
+    cfg = bench_config(shape, device, 1, 1, list(overrides))
     trainer = DrafterTrainer(
         cfg,
         device,
         cfg.train.max_steps,
-        drafter=bl.random_drafter(shape, device, seed=0, model_cfg=cfg.model),
-        embed_and_head=bl.random_embed_and_head(shape, torch.float32, device, seed=0),
+        drafter=random_drafter(shape, device, seed=0, model_cfg=cfg.model),
+        embed_and_head=random_embed_and_head(shape, torch.float32, device, seed=0),
     )
-    hidden = torch.randn(1, shape.seq_len, shape.hidden * len(shape.layer_ids))
-    batch = bl.received_form(bl.SyntheticReader(shape, 1).read(0), hidden, device)
+    hidden = torch.randn(1, shape.seq_len, shape.target.hidden * len(shape.layer_ids))
+    batch = received_form(SyntheticReader(shape, 1).read(0), hidden, device)
     return profile_drafter_steps(trainer, batch, 1, warmup=1, steps=2, device=device, top_kernels=top_kernels)
 
 
@@ -180,16 +184,16 @@ def test_the_sustained_matmul_rate_is_the_mean_of_the_later_windows(monkeypatch)
         def seconds(self, a, b):
             return next(durations)
 
-    monkeypatch.setattr(bl.timing, "Marks", Marks)
-    monkeypatch.setattr(bl.timing.time, "perf_counter", lambda: next(clock))
-    result = bl.matmul_peak(torch.device("cpu"), n=8, warmup=1, iters=3, sustain_s=3.5)
+    monkeypatch.setattr(timing, "Marks", Marks)
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    result = matmul_peak(torch.device("cpu"), n=8, warmup=1, iters=3, sustain_s=3.5)
     flops = 2 * 8**3 * 3
     assert result["tflops"] == flops / 1.0 / 1e12
     assert result["sustained_windows"] == 4
     assert result["sustained_tflops"] == pytest.approx(flops / 2.0 / 1e12)  # windows 3 and 4
     assert result["clock_mhz"] is None and result["power_w"] is None  # no NVML on CPU
     durations = iter([1.0])
-    assert "sustained_tflops" not in bl.matmul_peak(torch.device("cpu"), n=8, warmup=1, iters=1)
+    assert "sustained_tflops" not in matmul_peak(torch.device("cpu"), n=8, warmup=1, iters=1)
 
 
 class _FakeNvml:
@@ -224,10 +228,10 @@ class _FakeNvml:
 
 
 def test_the_power_meter_reports_energy_per_step_and_the_power_capped_share(monkeypatch):
-    fake = _FakeNvml([(1980, 500_000, 0), (1455, 691_000, bl.power.SW_POWER_CAP), (1500, 700_000, 0x44)])
+    fake = _FakeNvml([(1980, 500_000, 0), (1455, 691_000, power.SW_POWER_CAP), (1500, 700_000, 0x44)])
     clock = iter([10.0, 10.5])  # start, stop: 0.5 s
-    monkeypatch.setattr(bl.power.time, "perf_counter", lambda: next(clock))
-    meter = bl.PowerMeter(torch.device("cpu"), interval_s=0.001, nvml=(fake, "handle"))
+    monkeypatch.setattr(power.time, "perf_counter", lambda: next(clock))
+    meter = PowerMeter(torch.device("cpu"), interval_s=0.001, nvml=(fake, "handle"))
     with meter:
         while len(meter.samples) < 3:  # the sampling thread's three readings
             time.sleep(0.001)
@@ -248,9 +252,7 @@ def test_the_power_meter_reports_energy_per_step_and_the_power_capped_share(monk
 
 
 def test_the_power_meter_is_empty_where_nvml_does_not_answer():
-    with bl.PowerMeter(torch.device("cpu")) as meter:
+    with PowerMeter(torch.device("cpu")) as meter:
         pass
     assert meter.result(steps=3) == {}
-    assert "sustained_power" not in bl.matmul_peak(
-        torch.device("cpu"), n=8, warmup=1, iters=1, sustain_s=0.01
-    )
+    assert "sustained_power" not in matmul_peak(torch.device("cpu"), n=8, warmup=1, iters=1, sustain_s=0.01)

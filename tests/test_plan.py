@@ -223,14 +223,16 @@ def test_costs_count_as_the_benchmark_counts() -> None:
 def _bench_drafter_flops(shape_name: str) -> float:
     sys.path.insert(0, str(REPO / "bench"))
     try:
-        import benchlib as bl
+        from benchlib.flops import drafter_flops_per_micro_batch
+        from benchlib.shapes import SHAPES, bench_config
+        from benchlib.synthetic import SyntheticReader
     finally:
         sys.path.remove(str(REPO / "bench"))
     import torch
 
-    shape = bl.SHAPES[shape_name]
-    cfg = bl.bench_config(shape, torch.device("cpu"), 1, 1, [])
-    return bl.drafter_flops_per_micro_batch(shape, cfg, bl.SyntheticReader(shape, 1, 0).read(0))["train"]
+    shape = SHAPES[shape_name]
+    cfg = bench_config(shape, torch.device("cpu"), 1, 1, [])
+    return drafter_flops_per_micro_batch(shape, cfg, SyntheticReader(shape, 1, 0).read(0))["train"]
 
 
 @pytest.mark.parametrize(

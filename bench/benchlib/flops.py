@@ -39,7 +39,7 @@ def target_flops_per_seq(extractor: TargetFeatureExtractor, shape: Shape) -> dic
     params = count_params(layers)
     s = shape.seq_len
     matmul = 2 * params * s
-    attention = 2 * 2 * s * s * shape.heads * shape.head_dim * len(layers) / 2
+    attention = 2 * 2 * s * s * shape.target.heads * shape.target.head_dim * len(layers) / 2
     return {
         "per_seq": matmul + attention,
         "params_used": params,
@@ -52,7 +52,13 @@ def target_flops_per_seq(extractor: TargetFeatureExtractor, shape: Shape) -> dic
 
 def drafter_flops_per_micro_batch(shape: Shape, cfg: RootConfig, batch: MicroBatch) -> dict:
     """Useful FLOPs of one drafter micro-step on `batch` (see DRAFTER_FLOPS_COUNTING)."""
-    h, nh, nkv, hd, inter = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.intermediate
+    h, nh, nkv, hd, inter = (
+        shape.target.hidden,
+        shape.target.heads,
+        shape.target.kv_heads,
+        shape.target.head_dim,
+        shape.target.intermediate,
+    )
     num_layers, k_layers, bs, n = (
         shape.draft_layers,
         len(shape.layer_ids),
@@ -81,7 +87,7 @@ def drafter_flops_per_micro_batch(shape: Shape, cfg: RootConfig, batch: MicroBat
     per_layer_attention = 4 * nh * hd * attended_pairs
     fc = 2 * b * s * k_layers * h * h
     scored = int((weights > 0).sum())
-    lm_head = 2 * scored * h * shape.vocab
+    lm_head = 2 * scored * h * shape.target.vocab
     attention = num_layers * per_layer_attention
     forward = layers_linear + attention + fc + lm_head
     # Backward: weight and input gradients of the layers' matmuls (the first layer's q/k/v too: its

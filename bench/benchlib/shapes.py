@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from dflash_mp.config.schema import default_target_layer_ids
+from dflash_mp.plan.costs import ModelShape
+
 if TYPE_CHECKING:  # imported where used: bench.py reads SHAPES' names before torch is imported
     import torch
     from transformers import PretrainedConfig
@@ -16,50 +19,46 @@ if TYPE_CHECKING:  # imported where used: bench.py reads SHAPES' names before to
 class Shape:
     """A target (Qwen3- or Llama-shaped), the drafter over it, and the training sequence shape.
 
-    The drafter is always a DFlash (Qwen3-style) stack whose layers copy the target's shape
-    (hidden size, heads, MLP, RoPE): models.drafter_config.build_drafter_config reads them off the
-    target's config, so a Llama-shaped target gets a drafter at its hidden size and RoPE theta.
+    The target is the plan's own ModelShape (dflash_mp.plan.costs), its `model_type` "qwen3"
+    (Qwen3Config: q/k norms, RoPE theta 1e6) or "llama" (LlamaConfig: Llama 3's RoPE theta 500000,
+    RMS eps 1e-5, no q/k norms; its base_model_tp_plan splits the target). The drafter is always a
+    DFlash (Qwen3-style) stack whose layers copy the target's shape (hidden size, heads, MLP, RoPE):
+    models.drafter_config.build_drafter_config reads them off the target's config, so a Llama-shaped
+    target gets a drafter at its hidden size and RoPE theta.
     """
 
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
+    target: ModelShape
     draft_layers: int
     seq_len: int
     num_anchors: int
     block_size: int
     matmul_n: int  # side of the square matmul that measures the peak
-    # "qwen3" (Qwen3Config: q/k norms, RoPE theta 1e6) or "llama" (LlamaConfig: Llama 3's RoPE
-    # theta 500000, RMS eps 1e-5, no q/k norms; its base_model_tp_plan splits the target).
-    family: str = "qwen3"
+
+    @property
+    def name(self) -> str:
+        return self.target.name
 
     @property
     def layer_ids(self) -> list[int]:
-        from dflash_mp.config.schema import default_target_layer_ids
-
-        return default_target_layer_ids(self.layers, self.draft_layers)
+        return default_target_layer_ids(self.target.layers, self.draft_layers)
 
     def target_config(self) -> PretrainedConfig:
         from transformers import LlamaConfig, Qwen3Config
 
+        t = self.target
         shared = dict(
-            hidden_size=self.hidden,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            intermediate_size=self.intermediate,
-            vocab_size=self.vocab,
+            hidden_size=t.hidden,
+            num_hidden_layers=t.layers,
+            num_attention_heads=t.heads,
+            num_key_value_heads=t.kv_heads,
+            head_dim=t.head_dim,
+            intermediate_size=t.intermediate,
+            vocab_size=t.vocab,
             tie_word_embeddings=False,
             initializer_range=0.02,
             attn_implementation="sdpa",
         )
-        if self.family == "llama":  # Llama 3's RoPE base and norm epsilon
+        if t.model_type == "llama":  # Llama 3's RoPE base and norm epsilon
             positions = max(8192, 2 * self.seq_len)
             return LlamaConfig(
                 **shared, max_position_embeddings=positions, rope_theta=500000.0, rms_norm_eps=1e-5
@@ -69,11 +68,12 @@ class Shape:
     def target_weight_bytes(self, itemsize: int, tensor_parallel: int = 1) -> int:
         """Bytes of the target one rank holds: the embedding and final norm (whole on every rank)
         and the layers run (to the last one the drafter reads), split over `tensor_parallel` ranks."""
-        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        qk_norms = 2 * self.head_dim if self.family == "qwen3" else 0
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate + 2 * h + qk_norms
+        t = self.target
+        h, q, kv = t.hidden, t.heads * t.head_dim, t.kv_heads * t.head_dim
+        qk_norms = 2 * t.head_dim if t.model_type == "qwen3" else 0
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * t.intermediate + 2 * h + qk_norms
         layers_run = max(self.layer_ids) + 1
-        return itemsize * (self.vocab * h + h + layers_run * per_layer // tensor_parallel)
+        return itemsize * (t.vocab * h + h + layers_run * per_layer // tensor_parallel)
 
     def with_row(self, seq_len: int | None, num_anchors: int | None = None) -> Shape:
         """This shape with rows of `seq_len` tokens; the anchors scale with the row (512 per 3072
@@ -85,7 +85,12 @@ class Shape:
         return replace(self, seq_len=seq_len, num_anchors=num_anchors)
 
     def describe(self) -> dict:
-        d = dict(self.__dict__)
+        """The shape as the benchmark's JSON records it (flat: dflash_mp.plan.measured reads it)."""
+        t = self.target
+        d = dict(name=t.name, hidden=t.hidden, layers=t.layers, heads=t.heads, kv_heads=t.kv_heads)
+        d |= dict(head_dim=t.head_dim, intermediate=t.intermediate, vocab=t.vocab)
+        d |= dict(draft_layers=self.draft_layers, seq_len=self.seq_len, num_anchors=self.num_anchors)
+        d |= dict(block_size=self.block_size, matmul_n=self.matmul_n, family=t.model_type)
         d["target_layer_ids"] = self.layer_ids
         d["target_layers_run"] = max(self.layer_ids) + 1
         d["query_tokens_per_seq"] = self.num_anchors * self.block_size
@@ -94,16 +99,35 @@ class Shape:
 
 SHAPES = {
     # Qwen3-8B: 36 layers, hidden 4096, 32/8 heads of 128, MLP 12288; 5-layer DFlash drafter.
-    "qwen3-8b": Shape("qwen3-8b", 4096, 36, 32, 8, 128, 12288, 151936, 5, 3072, 512, 16, 8192),
+    "qwen3-8b": Shape(
+        ModelShape(4096, 36, 32, 8, 128, 12288, 151936, name="qwen3-8b", model_type="qwen3"),
+        5,
+        3072,
+        512,
+        16,
+        8192,
+    ),
     # Qwen3-4B at SpecForge's shape (max 2048 tokens, 512 anchors), for ANCHORS.md's first row.
-    "qwen3-4b": Shape("qwen3-4b", 2560, 36, 32, 8, 128, 9728, 151936, 5, 2048, 512, 16, 8192),
+    "qwen3-4b": Shape(
+        ModelShape(2560, 36, 32, 8, 128, 9728, 151936, name="qwen3-4b", model_type="qwen3"),
+        5,
+        2048,
+        512,
+        16,
+        8192,
+    ),
     # Llama-3-70B: 80 layers, hidden 8192, 64/8 heads of 128, MLP 28672, vocab 128256 (140 GB in
     # bf16: one TP replica over several GPUs); a 5-layer DFlash drafter at hidden 8192.
     "llama3-70b": Shape(
-        "llama3-70b", 8192, 80, 64, 8, 128, 28672, 128256, 5, 3072, 512, 16, 8192, family="llama"
+        ModelShape(8192, 80, 64, 8, 128, 28672, 128256, name="llama3-70b", model_type="llama"),
+        5,
+        3072,
+        512,
+        16,
+        8192,
     ),
     # A very small version for CPU (what the test runs).
-    "tiny": Shape("tiny", 64, 6, 4, 2, 16, 192, 512, 2, 128, 16, 8, 256),
+    "tiny": Shape(ModelShape(64, 6, 4, 2, 16, 192, 512, name="tiny", model_type="qwen3"), 2, 128, 16, 8, 256),
 }
 
 
@@ -145,21 +169,11 @@ def predicted_memory(shape: Shape, cfg: RootConfig, drafters: int, world: int) -
     """dflash_mp.plan.memory's peaks for this run, to set beside the measured ones: a colocated rank
     (DDP over `world`), a target rank and a drafter rank (DDP over `drafters`). The benchmark's
     target replays no CUDA graphs."""
-    from dflash_mp.plan.costs import ModelShape
     from dflash_mp.plan.memory import TrainingShape, colocated_rank, drafter_rank, target_rank
 
-    target = ModelShape(
-        shape.hidden,
-        shape.layers,
-        shape.heads,
-        shape.kv_heads,
-        shape.head_dim,
-        shape.intermediate,
-        shape.vocab,
-    )
     m, t, tr = cfg.model, cfg.topology, cfg.train
     common = TrainingShape(
-        target=target,
+        target=shape.target,
         target_layers_kept=max(shape.layer_ids) + 1,
         feature_layers=len(shape.layer_ids),
         draft_layers=shape.draft_layers,

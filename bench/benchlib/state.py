@@ -74,7 +74,7 @@ class BenchState:
         )
         self._check_target_fits()
         self.B, self.A, self.S = args.micro_batch, args.grad_accum, self.shape.seq_len
-        self.feature_size = self.shape.hidden * len(self.shape.layer_ids)
+        self.feature_size = self.shape.target.hidden * len(self.shape.layer_ids)
         self.first_drafter = layout.first_drafter
         self.reader = self._reader(args)
         # This rank's record of every section run so far (later sections read earlier results).
@@ -93,7 +93,9 @@ class BenchState:
 
         pad_to = self.cfg.data.pad_to_multiple
         packed = args.data == "chat-packed"
-        return ChatShapedReader(self.shape.vocab, self.shape.seq_len, self.B, packed, pad_to, seed=args.seed)
+        return ChatShapedReader(
+            self.shape.target.vocab, self.shape.seq_len, self.B, packed, pad_to, seed=args.seed
+        )
 
     def _check_target_fits(self) -> None:
         """A target shard larger than a GPU fails here, naming the fix, before any model is built."""

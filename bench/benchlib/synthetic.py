@@ -17,7 +17,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dflash_mp.data import MicroBatch
-from dflash_mp.models.dflash2 import GroupedDynamicConv
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import DFLASH2_FIELDS, SCALING_DEFAULTS, build_drafter_config
 from dflash_mp.models.target import TargetFeatureExtractor
@@ -39,7 +38,7 @@ class SyntheticReader:
         self.shape, self.micro_batch = shape, micro_batch
         # The last id is the drafter's MASK token; keep it out of the data.
         self.pool = [
-            torch.randint(0, shape.vocab - 1, (micro_batch, shape.seq_len), generator=generator)
+            torch.randint(0, shape.target.vocab - 1, (micro_batch, shape.seq_len), generator=generator)
             for _ in range(pool)
         ]
         self.loss_mask = torch.zeros(micro_batch, shape.seq_len, dtype=torch.uint8)
@@ -92,31 +91,17 @@ def received_form(batch: MicroBatch, hidden: torch.Tensor, device: torch.device)
 
 
 class DeviceInitDrafter(DFlashDrafter):
-    """DFlashDrafter initialised on its own device (GPU RNG) instead of from a CPU generator.
-
-    Built under `torch.device(device)`, so 1B parameters never pass through host memory; the
-    distribution (HF Qwen3 init) is the runtime's, only the random stream differs.
+    """DFlashDrafter initialised on its own device: the drafter's own init (DFlashDrafter.init_weights,
+    the distribution and the modules it leaves to their own init) drawing from a generator on that
+    device, seeded as the CPU one it is given. Built under `torch.device(device)`, 1B parameters never
+    pass through host memory; on CPU it starts from the weights training starts from.
     """
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
-        from dflash_mp.models.qwen3_layers import RMSNorm
-
-        std = self.config.initializer_range
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.normal_(0.0, std)
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-        # DFlash 2: the convolutions start as the identity, the selector as a no-op (as in training).
-        for module in self.modules():
-            if isinstance(module, GroupedDynamicConv):
-                module.reset_to_identity()
-        if self.candidate_selector is not None:
-            self.candidate_selector.predecessor_codebook.normal_(0.0, std)
-            self.candidate_selector.successor_codebook.zero_()
+        device = next(self.parameters()).device
+        with device:
+            super().init_weights(torch.Generator(device=device).manual_seed(generator.initial_seed()))
 
 
 @contextmanager
@@ -135,7 +120,7 @@ def random_drafter(shape: Shape, device: torch.device, seed: int, model_cfg: Any
         draft_layers=shape.draft_layers,
         target_layer_ids=shape.layer_ids,
         block_size=shape.block_size,
-        mask_token_id=shape.vocab - 1,
+        mask_token_id=shape.target.vocab - 1,
         arch=arch,
         dflash2={key: getattr(model_cfg, key) for key in DFLASH2_FIELDS} if arch == "dflash2" else None,
         # Sliding layers and logit scaling change the step's masks and loss: bench them as configured.
@@ -151,8 +136,8 @@ def random_drafter(shape: Shape, device: torch.device, seed: int, model_cfg: Any
 
 def random_embed_and_head(shape: Shape, dtype: torch.dtype, device: torch.device, seed: int):
     with seeded(device, seed + 1):
-        embed = torch.randn(shape.vocab, shape.hidden, device=device, dtype=dtype).mul_(0.02)
-        head = torch.randn(shape.vocab, shape.hidden, device=device, dtype=dtype).mul_(0.02)
+        embed = torch.randn(shape.target.vocab, shape.target.hidden, device=device, dtype=dtype).mul_(0.02)
+        head = torch.randn(shape.target.vocab, shape.target.hidden, device=device, dtype=dtype).mul_(0.02)
     return embed, head
 
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import gc
 import time
 
-import benchlib as bl
 import torch
 import torch.distributed as dist
+from benchlib.compile_watch import CompileWatch
 from benchlib.state import BenchState
+from benchlib.synthetic import batch_to, random_target
+from benchlib.timing import count_nonfinite, distribution, sync
 
 from dflash_mp.runtime.roles import hidden_states_for_drafter
 from dflash_mp.training.features import features_of
@@ -39,7 +41,7 @@ def run(bench: BenchState) -> dict:
         torch.cuda.empty_cache()
     start = time.perf_counter()
     if bench.extractor is None:
-        bench.extractor = bl.random_target(
+        bench.extractor = random_target(
             bench.shape,
             bench.dtype,
             bench.device,
@@ -50,13 +52,13 @@ def run(bench: BenchState) -> dict:
     # DDP over every rank; on 1 rank no group, so no DDP.
     trainer = bench.new_trainer(group=None if bench.single else dist.group.WORLD)
     build_s = time.perf_counter() - start
-    watch = bl.CompileWatch()
+    watch = CompileWatch()
     step_s, records, first_step_s, t0 = [], [], 0.0, 0.0
     start = prev = time.perf_counter()
 
     def micro_batch(i: int, micro: int):
         m = (i * bench.world + bench.rank) * bench.A + micro
-        batch = bl.batch_to(bench.reader.read(m), bench.device)
+        batch = batch_to(bench.reader.read(m), bench.device)
         return features_of(
             batch, hidden_states_for_drafter(bench.extractor, batch, bench.dtype, bench.device)
         )
@@ -66,7 +68,7 @@ def run(bench: BenchState) -> dict:
     early = []
     for i in range(args.warmup + args.colocated_iters):
         if i == args.warmup:
-            bl.sync(bench.device)
+            sync(bench.device)
             watch.start()
             t0 = prev = time.perf_counter()
             # What the reader has read by now: warm-up steps, and the step prepared early.
@@ -85,10 +87,10 @@ def run(bench: BenchState) -> dict:
             step_s.append(now - prev)
             records.append(record)
         prev = now
-    bl.sync(bench.device)
+    sync(bench.device)
     seconds = time.perf_counter() - t0
     tokens = bench.reader.tokens_read - early_tokens(early) - tokens_before
-    nonfinite = bl.count_nonfinite("colocated", records)
+    nonfinite = count_nonfinite("colocated", records)
     del trainer
     return {
         "per_rank": {
@@ -98,7 +100,7 @@ def run(bench: BenchState) -> dict:
                 "tokens_per_s": tokens / seconds,
                 "data": args.data,
                 "ms_per_step": seconds / args.colocated_iters * 1e3,
-                "step_time": bl.distribution(step_s),
+                "step_time": distribution(step_s),
                 "build_s": build_s,
                 "first_step_s": first_step_s,
                 "recompiles_after_warmup": watch.result()["recompiles"],

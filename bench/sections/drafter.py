@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import time
 
-import benchlib as bl
+from benchlib.compile_watch import CompileWatch, compile_seconds, frames_compiled_total
+from benchlib.power import PowerMeter
 from benchlib.state import BenchState
+from benchlib.timing import count_nonfinite, distribution, sync
 
 TIMEOUT_S = 420  # the cold torch.compile of the drafter (flex_attention fwd + bwd)
 
@@ -19,8 +21,8 @@ def run(bench: BenchState) -> dict:
     if "drafter" not in bench.roles:
         return {}
     trainer, batch, args = bench.trainer, bench.features, bench.args
-    watch = bl.CompileWatch()
-    meter = bl.PowerMeter(bench.device)
+    watch = CompileWatch()
+    meter = PowerMeter(bench.device)
     step_s, records = [], []
     start = prev = time.perf_counter()
     first_step_s = t0 = 0.0
@@ -29,7 +31,7 @@ def run(bench: BenchState) -> dict:
     early = [trainer.prepare(batch)]
     for i in range(args.warmup + args.iters):
         if i == args.warmup:
-            bl.sync(bench.device)
+            sync(bench.device)
             watch.start()
             meter.start()
             t0 = prev = time.perf_counter()
@@ -46,10 +48,10 @@ def run(bench: BenchState) -> dict:
             step_s.append(now - prev)
             records.append(record)
         prev = now
-    bl.sync(bench.device)
+    sync(bench.device)
     seconds = time.perf_counter() - t0
     meter.stop()
-    nonfinite = bl.count_nonfinite("drafter_only", records)
+    nonfinite = count_nonfinite("drafter_only", records)
     steps = args.iters
     counted = bench.partial["sections"]["setup"]["result"]["drafter"]
     flops = counted["flops_per_micro_batch"] * bench.A * steps
@@ -59,7 +61,7 @@ def run(bench: BenchState) -> dict:
         "samples_per_s": steps * bench.A * bench.B / seconds,
         "ms_per_step": seconds / steps * 1e3,
         "ms_per_micro_batch": seconds / (steps * bench.A) * 1e3,
-        "step_time": bl.distribution(step_s),
+        "step_time": distribution(step_s),
         "tflops": flops / seconds / 1e12,
         "mfu": bench.mfu(flops / seconds),
         "mfu_head_as_trainable": bench.mfu(flops_head_as_trainable / seconds),
@@ -75,8 +77,8 @@ def run(bench: BenchState) -> dict:
         "last_loss": records[-1]["loss"] if records else None,
         "recompiles_after_warmup": watch.result()["recompiles"],
         "recompile_reasons": watch.result()["recompile_reasons"],
-        "dynamo_frames_compiled_total": bl.frames_compiled_total(),
-        "compile_seconds_so_far": bl.compile_seconds(),
+        "dynamo_frames_compiled_total": frames_compiled_total(),
+        "compile_seconds_so_far": compile_seconds(),
     }
     result: dict = {
         "per_rank": {

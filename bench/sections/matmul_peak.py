@@ -3,16 +3,16 @@
 
 from __future__ import annotations
 
-import benchlib as bl
 import torch
 from benchlib.state import BenchState
+from benchlib.timing import matmul_peak
 
 TIMEOUT_S = 90
 
 
 def run(bench: BenchState) -> dict:
     n = bench.args.matmul_n or bench.shape.matmul_n
-    result = bl.matmul_peak(
+    result = matmul_peak(
         bench.device,
         n,
         warmup=max(3, bench.args.warmup),

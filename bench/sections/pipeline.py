@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 
-import benchlib as bl
 import torch
+from benchlib.compile_watch import CompileWatch
 from benchlib.state import BenchState
+from benchlib.timing import Marks, count_nonfinite, distribution, sync
 
 from dflash_mp.runtime.roles import run_drafter, run_target
 from dflash_mp.training.trainer import DrafterTrainer
@@ -26,7 +27,7 @@ class TimedExtractor:
     def __init__(self, extractor, device: torch.device, on_call=None) -> None:
         self.extractor = extractor
         self.hidden_size, self.layer_ids = extractor.hidden_size, extractor.layer_ids
-        self.marks = bl.Marks(device)
+        self.marks = Marks(device)
         self.calls: list[tuple[int, int]] = []
         self.on_call = on_call
 
@@ -46,7 +47,7 @@ class RecordingTrainer:
 
     def __init__(self, trainer: DrafterTrainer, device: torch.device, on_call=None) -> None:
         self.trainer = trainer
-        self.marks = bl.Marks(device)
+        self.marks = Marks(device)
         self.steps: list[tuple[int, int]] = []
         self._start: int | None = None
         self.on_call = on_call
@@ -85,7 +86,7 @@ class RecordingTrainer:
         return record
 
 
-def busy_fraction(marks: bl.Marks, intervals: list[tuple[int, int]]) -> tuple[float, float]:
+def busy_fraction(marks: Marks, intervals: list[tuple[int, int]]) -> tuple[float, float]:
     """(busy seconds, span seconds) over `intervals` of `marks`."""
     busy = sum(marks.seconds(a, b) for a, b in intervals)
     return busy, marks.seconds(intervals[0][0], intervals[-1][1])
@@ -106,7 +107,7 @@ def _run_target(bench: BenchState) -> dict:
     warm_calls = len(
         topology.micro_batches_of_target(bench.rank, 0, warmup * topology.micro_batches_per_step)
     )
-    watch = bl.CompileWatch()
+    watch = CompileWatch()
     fault = bench.fault_at("pipeline")
 
     def on_call(call: int) -> None:
@@ -116,12 +117,12 @@ def _run_target(bench: BenchState) -> dict:
 
     extractor = TimedExtractor(bench.extractor, bench.device, on_call=on_call)
     run_target(bench.cfg, bench.job, 0, steps, bench.reader, extractor, bench.dtype)
-    bl.sync(bench.device)
+    sync(bench.device)
     busy, span = busy_fraction(extractor.marks, extractor.calls[warm_calls:])
     measured = {
         "target_busy_frac": busy / span,
         "target_wait_frac": 1 - busy / span,
-        "target_forward_time": bl.distribution(
+        "target_forward_time": distribution(
             [extractor.marks.seconds(a, b) for a, b in extractor.calls[warm_calls:]]
         ),
         "target_elapsed_s": time.perf_counter() - start,
@@ -146,7 +147,7 @@ def _run_drafter(bench: BenchState) -> dict:
     start = time.perf_counter()
     trainer = RecordingTrainer(bench.trainer, bench.device, on_call=bench.fault_at("pipeline"))
     records, stamps = [], []
-    watch = bl.CompileWatch()
+    watch = CompileWatch()
 
     def on_step(record: dict) -> None:
         records.append(record)
@@ -157,7 +158,7 @@ def _run_drafter(bench: BenchState) -> dict:
             watch.start()
 
     run_drafter(bench.cfg, bench.job, trainer, 0, steps, on_step)
-    bl.sync(bench.device)
+    sync(bench.device)
     measured = len(stamps) - warmup
     window = stamps[-1] - stamps[warmup - 1]
     per_drafter = measured * bench.A * bench.B / window
@@ -184,9 +185,7 @@ def _run_drafter(bench: BenchState) -> dict:
         layout=bench.layout.name,
         drafters=bench.layout.drafters,
         replicas=bench.layout.replicas,
-        step_time=bl.distribution(
-            [b - a for a, b in zip(stamps[warmup - 1 :], stamps[warmup:], strict=False)]
-        ),
+        step_time=distribution([b - a for a, b in zip(stamps[warmup - 1 :], stamps[warmup:], strict=False)]),
         time_to_first_step_s=stamps[0] - start,
         drafter_busy_frac=mine["drafter_busy_frac"],
         drafter_wait_frac=mine["drafter_wait_frac"],
@@ -196,6 +195,6 @@ def _run_drafter(bench: BenchState) -> dict:
         },
         recompiles_after_warmup=mine["recompiles_after_warmup"],
         recompile_reasons=watch.result()["recompile_reasons"],
-        skipped_nonfinite_steps=bl.count_nonfinite("pipeline", records[warmup:]),
+        skipped_nonfinite_steps=count_nonfinite("pipeline", records[warmup:]),
     )
     return result

@@ -47,9 +47,9 @@ import tempfile
 import time
 from collections import defaultdict
 
-import benchlib as bl
 import torch
 from benchlib.state import BenchState
+from benchlib.timing import count_nonfinite, sync
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -148,15 +148,15 @@ def profile_drafter_steps(
 
     for _ in range(warmup):
         step()
-    bl.sync(device)
+    sync(device)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         records = [step() for _ in range(steps)]
-        bl.sync(device)
+        sync(device)
         wall_s = time.perf_counter() - start
-    bl.count_nonfinite("profile", records)  # a skipped update would leave the optimizer phase out
+    count_nonfinite("profile", records)  # a skipped update would leave the optimizer phase out
     if trace_path:
         _write_trace(prof, trace_path)
     result = phase_breakdown(prof.events(), cuda, steps, top_kernels)

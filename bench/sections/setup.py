@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import time
 
-import benchlib as bl
 import torch
+from benchlib.flops import drafter_flops_per_micro_batch, target_flops_per_seq
 from benchlib.state import BenchState
+from benchlib.synthetic import count_params, random_target, received_form, seeded
+from benchlib.timing import sync
 
 TIMEOUT_S = 240
 
@@ -26,7 +28,7 @@ def run(bench: BenchState) -> dict:
 def _setup_target(bench: BenchState) -> dict:
     start = time.perf_counter()
     # With --target-parallel k, each rank builds its share of the replica's target (layer by layer).
-    bench.extractor = bl.random_target(
+    bench.extractor = random_target(
         bench.shape,
         bench.dtype,
         bench.device,
@@ -35,8 +37,8 @@ def _setup_target(bench: BenchState) -> dict:
         mesh=bench.mesh,
         packed_rows=bench.args.data == "chat-packed",
     )
-    bl.sync(bench.device)
-    flops = bl.target_flops_per_seq(bench.extractor, bench.shape)
+    sync(bench.device)
+    flops = target_flops_per_seq(bench.extractor, bench.shape)
     return {
         "build_s": time.perf_counter() - start,
         "params_used": flops["params_used"],
@@ -55,14 +57,14 @@ def _setup_drafter(bench: BenchState) -> dict:
     # The drafter group: None on 1 rank (the trainer then runs without DDP).
     bench.trainer = bench.new_trainer(group=bench.job.drafter_group)
     batch = bench.reader.read(0)
-    with bl.seeded(bench.device, bench.args.seed + 2):
+    with seeded(bench.device, bench.args.seed + 2):
         hidden = torch.randn(bench.B, bench.S, bench.feature_size, dtype=bench.dtype, device=bench.device)
-    bench.features = bl.received_form(batch, hidden, bench.device)
-    flops = bl.drafter_flops_per_micro_batch(bench.shape, bench.cfg, batch)
-    bl.sync(bench.device)
+    bench.features = received_form(batch, hidden, bench.device)
+    flops = drafter_flops_per_micro_batch(bench.shape, bench.cfg, batch)
+    sync(bench.device)
     return {
         "build_s": time.perf_counter() - start,
-        "params": bl.count_params(bench.trainer.drafter),
+        "params": count_params(bench.trainer.drafter),
         "flops_per_micro_batch": flops["train"],
         "flops_per_micro_batch_previous_counting": flops["train_previous_counting"],
         "flops_per_micro_batch_head_as_trainable": flops["train_head_as_trainable"],

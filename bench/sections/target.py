@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import time
 
-import benchlib as bl
+from benchlib.compile_watch import CompileWatch, compile_seconds
 from benchlib.state import BenchState
+from benchlib.timing import Marks, distribution, sync
 
 from dflash_mp.runtime.roles import hidden_states_for_drafter
 
@@ -21,23 +22,23 @@ def run(bench: BenchState) -> dict:
     if "target" not in bench.roles:
         return {}
     args, batch = bench.args, bench.reader.read(0)
-    watch = bl.CompileWatch()
+    watch = CompileWatch()
     start, first_forward_s = time.perf_counter(), None
     for i in range(args.warmup):
         hidden_states_for_drafter(bench.extractor, batch, bench.dtype, bench.device)
         if i == 0:
-            bl.sync(bench.device)
+            sync(bench.device)
             first_forward_s = time.perf_counter() - start
             bench.log(f"target_only: first forward (compile included) {first_forward_s:.1f}s")
-    bl.sync(bench.device)
+    sync(bench.device)
     watch.start()
-    marks = bl.Marks(bench.device)
+    marks = Marks(bench.device)
     t0 = time.perf_counter()
     marks.mark()
     for _ in range(args.iters):
         hidden = hidden_states_for_drafter(bench.extractor, batch, bench.dtype, bench.device)
         marks.mark()
-    bl.sync(bench.device)
+    sync(bench.device)
     seconds = time.perf_counter() - t0
     assert hidden.shape == (bench.B, bench.S, bench.feature_size), hidden.shape
     flops = bench.partial["sections"]["setup"]["result"]["target"]["flops_per_seq"] * bench.B * args.iters
@@ -45,7 +46,7 @@ def run(bench: BenchState) -> dict:
     measured = {
         "samples_per_s": args.iters * bench.B / seconds,
         "ms_per_seq": seconds / (args.iters * bench.B) * 1e3,
-        "forward_time": bl.distribution(marks.intervals()),
+        "forward_time": distribution(marks.intervals()),
         "tflops": flops / seconds / 1e12,
         # A replica's useful FLOPs over the peak of its k GPUs.
         "mfu": bench.mfu(flops / seconds, gpus=k),
@@ -66,5 +67,5 @@ def run(bench: BenchState) -> dict:
         replica = bench.layout.replica_of(bench.rank)
         result["per_replica"] = {str(replica): {"ranks": bench.layout.replica_ranks(replica), **measured}}
     if bench.rank == 0:
-        result.update(measured, compile_seconds_so_far=bl.compile_seconds())
+        result.update(measured, compile_seconds_so_far=compile_seconds())
     return result

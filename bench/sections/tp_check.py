@@ -13,9 +13,10 @@ from __future__ import annotations
 import gc
 import time
 
-import benchlib as bl
 import torch
 from benchlib.state import BenchState
+from benchlib.synthetic import random_target
+from benchlib.timing import sync
 
 from dflash_mp.runtime.roles import hidden_states_for_drafter
 
@@ -31,11 +32,11 @@ def _timed(bench: BenchState, extractor, batch) -> tuple[torch.Tensor, float]:
     hidden = None
     for _ in range(bench.args.warmup):
         hidden = hidden_states_for_drafter(extractor, batch, bench.dtype, bench.device)
-    bl.sync(bench.device)
+    sync(bench.device)
     start = time.perf_counter()
     for _ in range(bench.args.iters):
         hidden_states_for_drafter(extractor, batch, bench.dtype, bench.device)
-    bl.sync(bench.device)
+    sync(bench.device)
     return hidden, bench.args.iters * bench.B / (time.perf_counter() - start)
 
 
@@ -69,7 +70,7 @@ def run(bench: BenchState) -> dict:
     if not bench.layout.is_leader(rank):
         return {"per_rank": {str(rank): {"tp_samples_per_s": tp_rate}}}
     start = time.perf_counter()
-    reference = bl.random_target(
+    reference = random_target(
         bench.shape, bench.dtype, bench.device, seed=bench.args.seed, compile_layers=bench.compiled
     )
     build_s = time.perf_counter() - start

@@ -6,10 +6,10 @@ from __future__ import annotations
 import itertools
 import time
 
-import benchlib as bl
 import torch
 import torch.distributed as dist
 from benchlib.state import BenchState
+from benchlib.timing import GB, GIB, sync
 
 from dflash_mp.runtime.transport import Receiver, Sender, pack_tokens
 
@@ -42,13 +42,13 @@ def run(bench: BenchState) -> dict:
         for m in range(total):
             if m == warmup:
                 sender.close()
-                bl.sync(bench.device)
+                sync(bench.device)
                 t0 = time.perf_counter()
             sender.send_header(receiver_rank, m, 0, bench.B, bench.S, bench.feature_size, bench.dtype, 0)
             sender.send_tensors(receiver_rank, tokens, hidden)
         sender.send_end_of_data(receiver_rank, total)
         sender.close()
-        bl.sync(bench.device)
+        sync(bench.device)
         t1 = time.perf_counter()
         result["sender_msgs_per_s"] = args.transport_iters / (t1 - t0)
     else:
@@ -61,7 +61,7 @@ def run(bench: BenchState) -> dict:
         )
         for m in range(total):
             if m == warmup:
-                bl.sync(bench.device)
+                sync(bench.device)
                 t0 = time.perf_counter()
             features = receiver.next()
             receiver.prefetch()
@@ -69,7 +69,7 @@ def run(bench: BenchState) -> dict:
                 raise RuntimeError(
                     f"transport: got micro-batch {features.index} (end {features.end_of_data}), expected {m}"
                 )
-        bl.sync(bench.device)
+        sync(bench.device)
         t1 = time.perf_counter()
         if not receiver.next().end_of_data:
             raise RuntimeError("transport: no end-of-data flag after the last message")
@@ -78,8 +78,8 @@ def run(bench: BenchState) -> dict:
         seconds = t1 - t0
         result.update(
             msgs_per_s=args.transport_iters / seconds,
-            gb_per_s=args.transport_iters * message_bytes / seconds / bl.GB,
-            gib_per_s=args.transport_iters * message_bytes / seconds / bl.GIB,
+            gb_per_s=args.transport_iters * message_bytes / seconds / GB,
+            gib_per_s=args.transport_iters * message_bytes / seconds / GIB,
             ms_per_msg=seconds / args.transport_iters * 1e3,
         )
     # Raw point-to-point at the hidden-state size, on the same (default) group.
@@ -88,19 +88,19 @@ def run(bench: BenchState) -> dict:
     )
     for i in range(total):
         if i == warmup:
-            bl.sync(bench.device)
+            sync(bench.device)
             t0 = time.perf_counter()
         if bench.rank == sender_rank:
             dist.send(buffer, dst=receiver_rank)
         else:
             dist.recv(buffer, src=sender_rank)
-    bl.sync(bench.device)
+    sync(bench.device)
     seconds = time.perf_counter() - t0
     if bench.rank == receiver_rank:
         result.update(
             raw_msgs_per_s=args.transport_iters / seconds,
-            raw_gb_per_s=args.transport_iters * hidden_bytes / seconds / bl.GB,
-            raw_gib_per_s=args.transport_iters * hidden_bytes / seconds / bl.GIB,
+            raw_gb_per_s=args.transport_iters * hidden_bytes / seconds / GB,
+            raw_gib_per_s=args.transport_iters * hidden_bytes / seconds / GIB,
             raw_message_bytes=hidden_bytes,
         )
     return result
