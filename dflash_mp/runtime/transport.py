@@ -107,28 +107,6 @@ class Sender:
         """Tensor sends not yet known to be complete (what `max_inflight` bounds)."""
         return sum(send.data for send in self.inflight)
 
-    def _header(
-        self,
-        flags: int,
-        index: int,
-        epoch: int,
-        batch: int,
-        seq: int,
-        feat: int,
-        dtype,
-        bad: int,
-        too_long: int = 0,
-    ):
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        header[_H_MAGIC], header[_H_VERSION], header[_H_FLAGS] = _MAGIC, _VERSION, flags
-        header[_H_INDEX], header[_H_EPOCH] = index, epoch
-        header[_H_BATCH], header[_H_SEQ], header[_H_FEAT] = batch, seq, feat
-        header[_H_DTYPE] = _DTYPES.index(dtype)
-        header[_H_BAD_RECORDS], header[_H_TOO_LONG] = bad, too_long
-        header[_H_SENDER_BUSY_US] = int(self.clock.busy_s * 1e6)
-        header[_H_SENDER_WAIT_US] = int(self.clock.wait_s * 1e6)
-        return header
-
     def send_header(
         self,
         dst: int,
@@ -141,13 +119,18 @@ class Sender:
         bad: int,
         too_long: int = 0,
         packed: bool = False,
+        flags: int = 0,
     ):
         """Announce micro-batch `index` (shapes) before its hidden states exist."""
-        flags = FLAG_PACKED if packed else 0
-        header = self._header(flags, index, epoch, batch, seq, feat, dtype, bad, too_long)
-        self._send_header(dst, header)
-
-    def _send_header(self, dst: int, header: torch.Tensor) -> None:
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header[_H_MAGIC], header[_H_VERSION] = _MAGIC, _VERSION
+        header[_H_FLAGS] = flags | (FLAG_PACKED if packed else 0)
+        header[_H_INDEX], header[_H_EPOCH] = index, epoch
+        header[_H_BATCH], header[_H_SEQ], header[_H_FEAT] = batch, seq, feat
+        header[_H_DTYPE] = _DTYPES.index(dtype)
+        header[_H_BAD_RECORDS], header[_H_TOO_LONG] = bad, too_long
+        header[_H_SENDER_BUSY_US] = int(self.clock.busy_s * 1e6)
+        header[_H_SENDER_WAIT_US] = int(self.clock.wait_s * 1e6)
         # Not counted against max_inflight; waited when the tensor send after it is drained
         # (by then the receiver has read it, so that wait does not block).
         self.inflight.append(_Send(False, [dist.isend(header, dst=dst, group=self.meta_group)], (header,)))
@@ -180,7 +163,7 @@ class Sender:
         self._drain(self.max_inflight)
 
     def send_end_of_data(self, dst: int, index: int) -> None:
-        self._send_header(dst, self._header(FLAG_END_OF_DATA, index, 0, 0, 0, 0, torch.float32, 0))
+        self.send_header(dst, index, 0, 0, 0, 0, torch.float32, 0, flags=FLAG_END_OF_DATA)
 
     def _drain(self, keep: int) -> None:
         """Wait, oldest first, until at most `keep` tensor sends are outstanding."""
