@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from dflash_mp.config.dspark_checks import feature_layer_ids
 from dflash_mp.config.schema import RootConfig, read_target_config, resolved_target_layer_ids
 from dflash_mp.plan.costs import shape_from_hf_config
 from dflash_mp.plan.memory import (
@@ -36,7 +37,8 @@ def training_shape(cfg: RootConfig, target_config: dict, world_size: int | None 
     `world_size`: the drafters of a colocated layout whose topology.drafters is null)."""
     m, d, t, tr = cfg.model, cfg.data, cfg.topology, cfg.train
     shape = shape_from_hf_config(target_config, str(target_config.get("_name_or_path") or m.target_path))
-    layer_ids = resolved_target_layer_ids(cfg, shape.layers)
+    # DSpark's teacher layer: the whole target runs and its last layer travels too (dspark_checks.py).
+    layer_ids = feature_layer_ids(resolved_target_layer_ids(cfg, shape.layers), shape.layers, m)
     experts_per_token = int(target_config.get("num_experts_per_tok") or 1)
     colocated = t.layout == "colocated"
     return TrainingShape(
