@@ -37,7 +37,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	# The reference inference package, for the parity tests; its pins (torch, transformers) are not ours.
 	$(PY) -m pip install -q --no-deps "dflash==0.1.0"
-	# speculators (the field's reference trainer) for the D-PACE and Muon parity tests; the modules they
+	# speculators (the field's reference trainer) for the D-PACE, Muon and DSpark parity tests; the modules they
 	# import need nothing beyond torch and .[dev], so its own pins are not installed either.
 	$(PY) -m pip install -q --no-deps "speculators==0.9.0"
 	touch $@
