@@ -373,9 +373,13 @@ def test_the_benchmarks_device_initialised_drafter_starts_as_training_does() -> 
 
 def test_chat_shaped_packed_rows_report_their_real_token_rate(tmp_path: Path) -> None:
     """--data chat-packed: rows of whole chat-shaped records (data.packing), trained colocated; the
-    token rate counts real tokens, which padding to the compile multiple leaves below B x S."""
-    proc, result = run_bench(tmp_path, "--sections", "setup,colocated", "--data", "chat-packed", nproc=1)
+    token rate counts real tokens, which padding to the compile multiple leaves below B x S. The
+    stage sections run on its first row, narrower than S."""
+    sections = "setup,target_only,drafter_only,colocated"
+    narrow = ("--seq-len", "1024", "--micro-batch", "1", "--seed", "37")  # its first row: 576 tokens
+    proc, result = run_bench(tmp_path, "--sections", sections, "--data", "chat-packed", *narrow, nproc=1)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert all(result["sections"][name]["status"] == "ok" for name in sections.split(",")), result["sections"]
     colocated = result["sections"]["colocated"]
     rank = colocated["per_rank"]["0"]
     assert rank["data"] == "chat-packed" and rank["skipped_nonfinite_steps"] == 0

@@ -58,7 +58,8 @@ def _setup_drafter(bench: BenchState) -> dict:
     bench.trainer = bench.new_trainer(group=bench.job.drafter_group)
     batch = bench.reader.read(0)
     with seeded(bench.device, bench.args.seed + 2):
-        hidden = torch.randn(bench.B, bench.S, bench.feature_size, dtype=bench.dtype, device=bench.device)
+        width = batch.input_ids.shape[1]  # S, or a chat-data row's own width (--data chat*)
+        hidden = torch.randn(bench.B, width, bench.feature_size, dtype=bench.dtype, device=bench.device)
     bench.features = received_form(batch, hidden, bench.device)
     flops = drafter_flops_per_micro_batch(bench.shape, bench.cfg, batch)
     sync(bench.device)

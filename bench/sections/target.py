@@ -40,7 +40,7 @@ def run(bench: BenchState) -> dict:
         marks.mark()
     sync(bench.device)
     seconds = time.perf_counter() - t0
-    assert hidden.shape == (bench.B, bench.S, bench.feature_size), hidden.shape
+    assert hidden.shape == (bench.B, batch.input_ids.shape[1], bench.feature_size), hidden.shape
     flops = bench.partial["sections"]["setup"]["result"]["target"]["flops_per_seq"] * bench.B * args.iters
     k = bench.target_parallel
     measured = {
