@@ -23,7 +23,7 @@ from dflash_mp.embedded import embedded_path
 from dflash_mp.launch import doctor, outcome, supervisor
 from dflash_mp.run import processes
 from dflash_mp.run.rundir import LOCK_NAME
-from dflash_mp.runtime.watchdog import EXIT_PREEMPTED
+from dflash_mp.runtime.watchdog import EXIT_PREEMPTED, FAULT_ENV
 from tests.conftest import REPO, job_env, read_metrics
 from tests.test_faults import FAST, last_lines, leftovers, wait_until
 
@@ -179,10 +179,13 @@ def test_a_detached_job_outlives_its_shell_and_obeys_status_and_stop(tmp_path, a
     run = tmp_path / "detached"
     args = [f"run_dir={run}", "train.max_steps=100000", "topology.targets=1", "topology.drafters=1", *FAST]
     # A login shell in its own session, as over ssh: it starts the job and exits at once.
+    # The drafter stalls at step 60 until the stop request: the job trains past the steps the test
+    # waits for and then idles while start, status and stop run (at full speed it trained ~450
+    # steps meanwhile, a quarter of the test's CPU time).
     shell = subprocess.Popen(
         ["bash", "-c", f"{sys.executable} -m dflash_mp.launch start {' '.join(args)}; exit"],
         cwd=REPO,
-        env=job_env(),
+        env=job_env() | {FAULT_ENV: "rank=1,step=60,kind=stall,seconds=600"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
