@@ -52,12 +52,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 MATH = {"objective", "kernels", "models"}
 # Circles between modules that this test knows of, each with the reason it still stands. An entry
 # whose circle is gone fails the test below: delete it.
-KNOWN_CIRCLES: dict[frozenset[str], str] = {
-    frozenset({"dflash_mp.models.target_checkpoint", "dflash_mp.models.target_structure"}): (
-        "models/ is being reworked for the new drafter heads: move load_head_and_embedding beside "
-        "checkpoint_tensors once that work has landed"
-    ),
-}
+KNOWN_CIRCLES: dict[frozenset[str], str] = {}
 
 
 def _room(module: str) -> str:

@@ -1,7 +1,7 @@
 """The frozen target: hidden states for the drafter, and its embedding and LM head for the loss.
 
 Target ranks run `TargetFeatureExtractor`; drafter ranks only need the target's embedding and
-LM head matrices, which `load_embedding_and_head` (models/target_checkpoint.py) reads straight
+LM head matrices, which `load_embedding_and_head` (models/target_structure.py) reads straight
 from the safetensors files so a 70B target is never instantiated there. Where the decoder and its
 layers sit in the model is found by walking it (models/target_structure.py). Given a DeviceMesh, a target rank holds its share of a
 tensor-parallel replica (dflash_mp.models.tensor_parallel); the features come out whole. Rows
@@ -25,8 +25,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
 from dflash_mp.models import packed_target, target_graphs, target_kernels
-from dflash_mp.models.target_checkpoint import checkpoint_bytes, load_embedding_and_head
-from dflash_mp.models.target_structure import decoder_layers, find_decoder, locate_decoder
+from dflash_mp.models.target_checkpoint import checkpoint_bytes
+from dflash_mp.models.target_structure import (
+    decoder_layers,
+    find_decoder,
+    load_embedding_and_head,
+    locate_decoder,
+)
 
 __all__ = ["TargetFeatureExtractor", "checkpoint_bytes", "load_embedding_and_head", "load_target_config"]
 

@@ -1,9 +1,8 @@
-"""The target's safetensors files: which tensor is where, what they weigh, and the two a drafter
-rank reads (the input embedding and the LM head) without building the model.
+"""The target's safetensors files: which tensor is where, what they weigh, and one tensor read
+without building the model.
 
-The names of those two come from transformers' own model of the target
-(dflash_mp.models.target_structure), not from a list of usual names: a checkpoint whose embedding
-is `backbone.embeddings.weight` is read as well as one whose is `model.embed_tokens.weight`.
+Which tensors a drafter rank reads (the input embedding and the LM head) is asked of transformers'
+own model of the target: `load_embedding_and_head` in dflash_mp.models.target_structure.
 """
 
 from __future__ import annotations
@@ -65,28 +64,7 @@ _SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
-def _read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
+def read_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
+    """The tensor `name` of a checkpoint whose `files` are tensor_files'."""
     with safe_open(files[name], framework="pt") as f:
         return f.get_tensor(name)
-
-
-def load_embedding_and_head(
-    path: str | Path,
-    dtype: torch.dtype,
-    device: torch.device | str,
-    trust_remote_code: bool = False,
-    names_cache: Path | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's input embedding and LM head matrices, both [V, H], without building the model.
-
-    With tied embeddings the head is the embedding tensor itself, not a copy. `names_cache`: where
-    the two tensors' names are kept once found (target_structure.checkpoint_tensors).
-    """
-    from dflash_mp.models.target_structure import checkpoint_tensors
-
-    files = tensor_files(path)
-    names = checkpoint_tensors(path, trust_remote_code, names_cache)
-    embedding = _read_tensor(files, names.embedding).to(device=device, dtype=dtype)
-    if names.head is None:
-        return embedding, embedding
-    return embedding, _read_tensor(files, names.head).to(device=device, dtype=dtype)

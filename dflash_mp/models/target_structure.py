@@ -12,7 +12,8 @@
 `checkpoint_tensors` caches what it finds in a directory its caller names ($DFLASH_MP_CACHE/
 target-tensors for the preflight and the drafter ranks), keyed by the config, the checkpoint's
 tensor names and the transformers version: the preflight finds them once, drafter ranks read two
-names instead of importing the target's modelling code (about 1.5 CPU-seconds each).
+names instead of importing the target's modelling code (about 1.5 CPU-seconds each), and
+`load_embedding_and_head` reads the two tensors under them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from dflash_mp.models.target_checkpoint import read_tensor, tensor_files, tensor_shapes
 
 STRUCTURE_VERSION = 1  # bump when what checkpoint_tensors finds changes for the same inputs
 
@@ -96,8 +99,6 @@ def checkpoint_tensors(
 ) -> CheckpointTensors:
     """The checkpoint keys of the target's input embedding and LM head, kept in `cache_dir` (see the
     module doc; None: found every time); TargetStructureError naming what is missing."""
-    from dflash_mp.models.target_checkpoint import tensor_files
-
     files = tensor_files(path)
     if cache_dir is None:
         return find_checkpoint_tensors(path, files, trust_remote_code)
@@ -115,6 +116,26 @@ def checkpoint_tensors(
     except OSError:
         pass  # a read-only cache: found again next time
     return tensors
+
+
+def load_embedding_and_head(
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    trust_remote_code: bool = False,
+    names_cache: Path | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and LM head matrices, both [V, H], without building the model.
+
+    With tied embeddings the head is the embedding tensor itself, not a copy. `names_cache`: where
+    the two tensors' names are kept once found (checkpoint_tensors).
+    """
+    files = tensor_files(path)
+    names = checkpoint_tensors(path, trust_remote_code, names_cache)
+    embedding = read_tensor(files, names.embedding).to(device=device, dtype=dtype)
+    if names.head is None:
+        return embedding, embedding
+    return embedding, read_tensor(files, names.head).to(device=device, dtype=dtype)
 
 
 def find_checkpoint_tensors(
@@ -173,8 +194,6 @@ def _checkpoint_key(
     resort) the one tensor of its shape that maps to no parameter of the model."""
     if name in keys:
         return keys[name]
-    from dflash_mp.models.target_checkpoint import tensor_shapes
-
     claimed = set(keys.values())  # tensors of other parameters
     shaped = [k for k, s in tensor_shapes(files).items() if s == tuple(param.shape) and k not in claimed]
     if len(shaped) == 1:
@@ -203,8 +222,6 @@ def structure_problem(
     """What the trainer cannot find in the target at `path` (its decoder layers, input embedding, LM
     head), in one line; None when it finds them all or the directory holds no safetensors (the
     doctor's target check names missing weights)."""
-    from dflash_mp.models.target_checkpoint import tensor_files
-
     path = Path(path)
     try:
         tensor_files(path)

@@ -23,7 +23,7 @@ from dflash_mp.config.schema import RootConfig
 from dflash_mp.config.target_checks import target_tensors_cache
 from dflash_mp.kernels.flash_attention import check_flash_supported
 from dflash_mp.models.drafter import DFlashDrafter
-from dflash_mp.models.target_checkpoint import load_embedding_and_head
+from dflash_mp.models.target_structure import load_embedding_and_head
 from dflash_mp.objective.block_diffusion import drafter_loss, loss_blocks, per_position_accuracy
 from dflash_mp.objective.draft_blocks import DraftBlocks
 from dflash_mp.objective.dspark_loss import dspark_metrics, loss_weights
@@ -228,7 +228,9 @@ class DrafterTrainer:
         cfg = self.cfg
         block = cfg.model.block_size
         xpress = self.drafter.arch == "xpress"
-        packed = self.totals.pack(block, self.device, self.stop_requested(), self.drafter.arch == "dflash2", xpress)
+        packed = self.totals.pack(
+            block, self.device, self.stop_requested(), self.drafter.arch == "dflash2", xpress
+        )
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(packed, group=self.group)
 
