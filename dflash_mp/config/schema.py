@@ -259,7 +259,8 @@ class EvalConfig:
     # New tokens generated per prompt.
     max_new_tokens: int = 64
     # Benchmark files measured too, name: path (JSONL/Parquet as published: GSM8K, MATH-500, AIME,
-    # HumanEval, MBPP, LiveCodeBench, MT-Bench, Alpaca; docs/benchmarks-eval.md), logged as tau/<name>.
+    # HumanEval, MBPP, LiveCodeBench, MT-Bench, Alpaca; docs/evaluation-and-serving.md, "Acceptance
+    # on standard benchmarks"), logged as tau/<name>.
     benchmarks: dict[str, str] = field(default_factory=dict)
 
 

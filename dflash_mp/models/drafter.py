@@ -182,8 +182,8 @@ class DFlashDecoderLayer(nn.Module):
         normed = self.input_layernorm(hidden_states)
         # The convolutions take the normed input in the residual stream's dtype. Under autocast the
         # fp32 norm weight would make it fp32, where the reference's bf16 drafter convolves bf16;
-        # fp32 also doubles what the convolution and its backward move (DFlash 2 step at block 8
-        # on an H200: 92.3 -> 90.4 ms). Without autocast this is a no-op.
+        # fp32 also doubles what the convolution and its backward move (BENCHMARKS.md, "What
+        # changed the numbers", DFlash 2). Without autocast this is a no-op.
         dtype = hidden_states.dtype
         convolved, after = self.attention_conv.prepare(normed.to(dtype), position_in_block)
         attended = self.self_attn(convolved, context, cos, sin, mask)

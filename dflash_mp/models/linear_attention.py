@@ -2,14 +2,15 @@
 
 transformers' forward transposes the qkv projection to [B, C, S] for the short causal convolution
 and back, splits q, k, v as strided views that fla's `input_guard` then copies to contiguous
-ones, and runs each gate as its own small kernels: on a Qwen3.5-35B-A3B forward (S=3072, one
-H200) about 6.6 ms of 66 went to those copies. Here the convolution runs along dim 1 of the
-projection's own [B, S, C] output, and one function (`prepare`, compiled on CUDA whether or not
-the layers are, like flex attention) writes q and k L2-normalised (two passes fewer in fla) and v,
-contiguous, with g and beta; fla's `chunk_gated_delta_rule` takes the value heads grouped over the
-key heads (GVA) as they are. The gate g is computed in `prepare` with transformers' formula (in
-fp32) rather than in fla's kernel (`use_gate_in_kernel`): the same numbers as transformers' path,
-and fla's FlashQLA backend (Hopper, where installed) refuses the in-kernel gate.
+ones, and runs each gate as its own small kernels (at Qwen3.5-35B-A3B's layer shape, S=3072, one
+H200: 0.86 ms a layer against 0.59 here; BENCHMARKS.md, "Target stage per family"). Here the
+convolution runs along dim 1 of the projection's own [B, S, C] output, and one function
+(`prepare`, compiled on CUDA whether or not the layers are, like flex attention) writes q and k
+L2-normalised (two passes fewer in fla) and v, contiguous, with g and beta; fla's
+`chunk_gated_delta_rule` takes the value heads grouped over the key heads (GVA) as they are. The
+gate g is computed in `prepare` with transformers' formula (in fp32) rather than in fla's kernel
+(`use_gate_in_kernel`): the same numbers as transformers' path, and fla's FlashQLA backend
+(Hopper, where installed) refuses the in-kernel gate.
 
 Same module, same parameters (the four input projections stay four GEMMs: fusing them would need
 one weight tensor the parameters are views of, which loading and tensor parallelism do not keep).
