@@ -11,13 +11,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflash_mp.objective.block_diffusion import (
-    chunked_lm_head_loss,
-    decay_weighted_ce,
-    drafter_loss,
-    per_position_accuracy,
-)
+from dflash_mp.objective.block_diffusion import drafter_loss
 from dflash_mp.objective.draft_blocks import sample_anchors
+from dflash_mp.objective.lm_head_loss import chunked_lm_head_loss, decay_weighted_ce, per_position_accuracy
 from tests.block_problems import (
     BLOCK,
     COMPILED_FLEX_ATTENTION,
@@ -81,7 +77,7 @@ def test_the_eager_ce_and_gradient_are_the_compiled_expressions_to_the_bit(
     dtype: torch.dtype, multiplier: float, softcap: float | None
 ) -> None:
     """The CPU path's fewer passes (`_ce_and_grad_eager`) give exactly `_ce_and_grad`'s numbers."""
-    from dflash_mp.objective.block_diffusion import _ce_and_grad, _ce_and_grad_eager
+    from dflash_mp.objective.lm_head_loss import _ce_and_grad, _ce_and_grad_eager
 
     generator = torch.Generator().manual_seed(0)
     logits = (torch.randn(13, 1000, generator=generator) * 3).to(dtype)

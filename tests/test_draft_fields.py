@@ -26,8 +26,9 @@ from dflash_mp.export.hf import export_drafter
 from dflash_mp.kernels.block_mask import block_mask_mod, dense_block_mask, flex_block_mask
 from dflash_mp.models import drafter as drafter_module
 from dflash_mp.models.drafter import DFlashDrafter, scale_logits
-from dflash_mp.objective.block_diffusion import chunked_lm_head_loss, decay_weighted_ce, drafter_loss
+from dflash_mp.objective.block_diffusion import drafter_loss
 from dflash_mp.objective.draft_blocks import block_inputs, block_labels, sample_anchors
+from dflash_mp.objective.lm_head_loss import chunked_lm_head_loss, decay_weighted_ce
 from tests.field_drafters import BLOCK, HIDDEN, SCALING, VOCAB, fields_drafter
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

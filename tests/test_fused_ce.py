@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash_mp.kernels import fused_ce
-from dflash_mp.objective.block_diffusion import _ce_and_grad
+from dflash_mp.objective.lm_head_loss import _ce_and_grad
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -57,7 +57,7 @@ def test_a_non_finite_logit_makes_the_loss_non_finite() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_at_qwen3_vocab_it_equals_the_compiled_expressions() -> None:
-    from dflash_mp.objective.block_diffusion import _compiled_ce_and_grad
+    from dflash_mp.objective.lm_head_loss import _compiled_ce_and_grad
 
     logits, labels, scale = _chunk(64, 151936, torch.bfloat16, seed=2)
     loss, grad, correct = _compiled_ce_and_grad()(logits.clone(), labels, scale)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash_mp.config.schema import compose_config, to_dataclass
-from dflash_mp.objective.block_diffusion import chunked_lm_head_loss
+from dflash_mp.objective.lm_head_loss import chunked_lm_head_loss
 from dflash_mp.training.trainer import DrafterTrainer
 from tests.block_problems import loss_problem
 from tests.test_trainer import _micro_batch

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from dflash_mp.config.schema import ConfigError, compose_config, to_dataclass
 from dflash_mp.config.validation import validate
 from dflash_mp.objective import selector_loss as selector_module
-from dflash_mp.objective.block_diffusion import chunked_lm_head_loss, lm_head_loss_and_candidates
 from dflash_mp.objective.draft_blocks import loss_decay
+from dflash_mp.objective.lm_head_loss import chunked_lm_head_loss, lm_head_loss_and_candidates
 from dflash_mp.objective.position_weights import dpace_alpha_of, dpace_weights
 from tests.speculators_reference import speculators_module
 

@@ -9,8 +9,8 @@ import torch
 
 from dflash_mp.models.dflash2 import CandidateSelector
 from dflash_mp.models.drafter import scale_logits
-from dflash_mp.objective.block_diffusion import lm_head_loss_and_candidates
 from dflash_mp.objective.draft_blocks import block_labels
+from dflash_mp.objective.lm_head_loss import lm_head_loss_and_candidates
 from dflash_mp.objective.selector_loss import (
     candidate_logits,
     pack_selector_totals,

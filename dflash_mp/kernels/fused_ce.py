@@ -1,10 +1,10 @@
 """The cross-entropy of a chunk of logits and its gradient in two Triton passes (CUDA).
 
-`block_diffusion._LinearCrossEntropy` takes the gradient of the CE while a chunk of logits
+`lm_head_loss._LinearCrossEntropy` takes the gradient of the CE while a chunk of logits
 [rows, vocab] exists. The least that can be moved is one read of the logits for each row's
 statistics (log-normaliser, argmax, the label's logit) and one read and write for the gradient:
 at Qwen3-8B shape (7680 scored rows, vocab 151936, bf16) 7 GB, ~1.8 ms at the H200's bandwidth.
-Inductor's kernel for the same expressions (`block_diffusion._ce_and_grad`) reads the logits in
+Inductor's kernel for the same expressions (`lm_head_loss._ce_and_grad`) reads the logits in
 several passes and took 3.6 ms per step. Here the statistics are one online-softmax pass per row
 (the running maximum and the sum of exponentials rescaled as the maximum grows), and the gradient
 overwrites the logits it is computed from, so a chunk needs no second [rows, vocab] buffer: 1.24 +
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-try:  # Triton ships with CUDA builds of torch; elsewhere block_diffusion uses `_ce_and_grad`.
+try:  # Triton ships with CUDA builds of torch; elsewhere lm_head_loss uses `_ce_and_grad`.
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the torch build

@@ -33,7 +33,7 @@ from dflash_mp.models.drafter import scale_logits
 
 POSITION_WEIGHTS = ("decay", "dpace")
 
-# Eager (CPU) chunks of fp32 logits stay under this many elements (block_diffusion's reason).
+# Eager (CPU) chunks of fp32 logits stay under this many elements (lm_head_loss's reason).
 _EAGER_CHUNK_ELEMENTS = 1 << 21
 
 

@@ -92,7 +92,7 @@ def xpress_terms(
 def xpress_drafter_loss(
     drafter: nn.Module, hidden: Tensor, head_weight: Tensor, blocks: DraftBlocks, xpress: XPressWeights
 ) -> tuple[Tensor, dict]:
-    """The XPress loss of a micro-batch and its `LossStats` (block_diffusion.py) plus stats["xpress"]:
+    """The XPress loss of a micro-batch and its `LossStats` (lm_head_loss.py) plus stats["xpress"]:
     hidden [B, N*Bs, H] of every block row; the blocks' labels/weights [B, N, Bs] (`block_labels`:
     weight = decay * scored) and before_anchor [B, N]. Accuracy is the teacher-forced refined
     argmax's, as the reference reports it."""

@@ -24,9 +24,10 @@ from dflash_mp.config.target_checks import target_tensors_cache
 from dflash_mp.kernels.flash_attention import check_flash_supported
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.target_structure import load_embedding_and_head
-from dflash_mp.objective.block_diffusion import drafter_loss, loss_blocks, per_position_accuracy
+from dflash_mp.objective.block_diffusion import drafter_loss, loss_blocks
 from dflash_mp.objective.draft_blocks import DraftBlocks
 from dflash_mp.objective.dspark_loss import dspark_metrics, loss_weights
+from dflash_mp.objective.lm_head_loss import per_position_accuracy
 from dflash_mp.objective.position_weights import dpace_alpha_of
 from dflash_mp.objective.selector_loss import selector_metrics
 from dflash_mp.objective.xpress_loss import xpress_metrics, xpress_weights
