@@ -386,3 +386,16 @@ def test_chat_shaped_packed_rows_report_their_real_token_rate(tmp_path: Path) ->
     row = result["shape"]["seq_len"]
     assert 0.8 * rank["samples_per_s"] * row < rank["tokens_per_s"] <= rank["samples_per_s"] * row
     assert colocated["tokens_per_s_total"] == rank["tokens_per_s"]
+
+
+def test_the_heads_after_dflash2_bench_as_they_train(tmp_path: Path) -> None:
+    """--override model.arch=dspark: the benchmark's drafter is built from the training config's
+    choices (recipe.drafter_choices), and its target sends the teacher's last layer beside the
+    drafter's inputs, as the runtime's target ranks do for DSpark's KL/TV/confidence terms."""
+    proc, result = run_bench(
+        tmp_path, "--sections", "setup,drafter_only,colocated", "--override", "model.arch=dspark", nproc=1
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sections = result["sections"]
+    assert all(sections[name]["status"] == "ok" for name in ("setup", "drafter_only", "colocated")), sections
+    assert sections["colocated"]["per_rank"]["0"]["skipped_nonfinite_steps"] == 0

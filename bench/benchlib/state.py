@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dflash_mp.config.dspark_checks import feature_layer_ids
 from dflash_mp.config.precision import resolve_precision
 from dflash_mp.runtime.distributed import init_job
 from dflash_mp.runtime.target_parallel import replica_mesh
@@ -74,7 +75,12 @@ class BenchState:
         )
         self._check_target_fits()
         self.B, self.A, self.S = args.micro_batch, args.grad_accum, self.shape.seq_len
-        self.feature_size = self.shape.target.hidden * len(self.shape.layer_ids)
+        # The target layers sent to the drafter: its inputs, and the teacher's last layer where a
+        # DSpark loss term reads it (as the runtime's target ranks send).
+        self.feature_layer_ids = feature_layer_ids(
+            self.shape.layer_ids, self.shape.target.layers, self.cfg.model
+        )
+        self.feature_size = self.shape.target.hidden * len(self.feature_layer_ids)
         self.first_drafter = layout.first_drafter
         self.reader = self._reader(args)
         # This rank's record of every section run so far (later sections read earlier results).

@@ -18,10 +18,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dflash_mp.data import MicroBatch
 from dflash_mp.models.drafter import DFlashDrafter
-from dflash_mp.models.drafter_config import DFLASH2_FIELDS, SCALING_DEFAULTS, build_drafter_config
+from dflash_mp.models.drafter_config import build_drafter_config
 from dflash_mp.models.target import TargetFeatureExtractor
 from dflash_mp.runtime.transport import pack_tokens, unpack_document_ids, unpack_tokens
 from dflash_mp.training.features import Features
+from dflash_mp.training.recipe import drafter_choices
 
 from .shapes import Shape
 
@@ -113,22 +114,15 @@ def seeded(device: torch.device, seed: int) -> Iterator[None]:
 
 
 def random_drafter(shape: Shape, device: torch.device, seed: int, model_cfg: Any = None) -> DFlashDrafter:
-    """`model_cfg` (cfg.model) picks the architecture, DFlash or DFlash 2 with its fields."""
-    arch = model_cfg.arch if model_cfg is not None else "dflash"
+    """`model_cfg` (cfg.model) picks the drafter as training does (recipe.drafter_choices: the
+    architecture and its heads, sliding layers, logit scaling); None: plain DFlash."""
     config = build_drafter_config(
         shape.target_config(),
         draft_layers=shape.draft_layers,
         target_layer_ids=shape.layer_ids,
         block_size=shape.block_size,
         mask_token_id=shape.target.vocab - 1,
-        arch=arch,
-        dflash2={key: getattr(model_cfg, key) for key in DFLASH2_FIELDS} if arch == "dflash2" else None,
-        # Sliding layers and logit scaling change the step's masks and loss: bench them as configured.
-        layer_types=None
-        if model_cfg is None or model_cfg.layer_types is None
-        else list(model_cfg.layer_types),
-        sliding_window=None if model_cfg is None else model_cfg.sliding_window,
-        scaling=None if model_cfg is None else {key: getattr(model_cfg, key) for key in SCALING_DEFAULTS},
+        **(drafter_choices(model_cfg) if model_cfg is not None else {}),
     )
     with seeded(device, seed), device:
         return DeviceInitDrafter(config, seed=seed)
@@ -149,12 +143,14 @@ def random_target(
     compile_layers: bool,
     mesh: DeviceMesh | None = None,
     packed_rows: bool = False,
+    layer_ids: list[int] | None = None,
 ) -> TargetFeatureExtractor:
     """The random target, layer by layer on `device`; with `mesh` this rank's tensor-parallel share
     of it (the same weights for the same seed: a layer is never whole on the device for long).
-    On GPU with the runtime's kernels (`packed_rows`: for --data chat-packed, as data.packing)."""
+    On GPU with the runtime's kernels (`packed_rows`: for --data chat-packed, as data.packing).
+    `layer_ids`: the layers it sends (default the drafter's; a DSpark teacher's last layer added)."""
     extractor = TargetFeatureExtractor.build_random(
-        shape.target_config(), shape.layer_ids, dtype, device, seed=seed, mesh=mesh
+        shape.target_config(), layer_ids or shape.layer_ids, dtype, device, seed=seed, mesh=mesh
     )
     if device.type == "cuda":
         extractor.use_fast_kernels(packed_rows=packed_rows)

@@ -48,6 +48,7 @@ def run(bench: BenchState) -> dict:
             seed=bench.args.seed + 10,
             compile_layers=bench.compiled,
             packed_rows=bench.args.data == "chat-packed",
+            layer_ids=bench.feature_layer_ids,
         )
     # DDP over every rank; on 1 rank no group, so no DDP.
     trainer = bench.new_trainer(group=None if bench.single else dist.group.WORLD)

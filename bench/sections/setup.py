@@ -36,6 +36,7 @@ def _setup_target(bench: BenchState) -> dict:
         compile_layers=bench.compiled,
         mesh=bench.mesh,
         packed_rows=bench.args.data == "chat-packed",
+        layer_ids=bench.feature_layer_ids,
     )
     sync(bench.device)
     flops = target_flops_per_seq(bench.extractor, bench.shape)

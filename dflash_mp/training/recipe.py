@@ -4,6 +4,7 @@ learning rate at each step."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from dflash_mp.config.dspark_checks import dspark_fields
 from dflash_mp.config.mask_token import mask_token_id
@@ -26,6 +27,20 @@ def lr_at(step: int, total_steps: int, peak: float, warmup_ratio: float, min_rat
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
+def drafter_choices(model: Any) -> dict[str, Any]:
+    """What `cfg.model` chooses of the drafter beyond the target's shapes: build_drafter_config's
+    arch, head fields, attention layout and scaling (the benchmark builds its drafter from these too)."""
+    return dict(
+        arch=model.arch,
+        dflash2={key: getattr(model, key) for key in DFLASH2_FIELDS},
+        layer_types=None if model.layer_types is None else list(model.layer_types),
+        sliding_window=model.sliding_window,
+        scaling={key: getattr(model, key) for key in SCALING_DEFAULTS},
+        xpress={key: getattr(model, key) for key in XPRESS_FIELDS},
+        dspark=dspark_fields(model),
+    )
+
+
 def build_drafter(cfg: RootConfig) -> DFlashDrafter:
     """A freshly initialised drafter (identical on every rank: seeded by train.seed)."""
     target = read_target_config(cfg.model.target_path)
@@ -36,12 +51,6 @@ def build_drafter(cfg: RootConfig) -> DFlashDrafter:
         target_layer_ids=layer_ids,
         block_size=cfg.model.block_size,
         mask_token_id=mask_token_id(cfg.model),
-        arch=cfg.model.arch,
-        dflash2={key: getattr(cfg.model, key) for key in DFLASH2_FIELDS},
-        layer_types=None if cfg.model.layer_types is None else list(cfg.model.layer_types),
-        sliding_window=cfg.model.sliding_window,
-        scaling={key: getattr(cfg.model, key) for key in SCALING_DEFAULTS},
-        xpress={key: getattr(cfg.model, key) for key in XPRESS_FIELDS},
-        dspark=dspark_fields(cfg.model),
+        **drafter_choices(cfg.model),
     )
     return DFlashDrafter(config, seed=cfg.train.seed)
