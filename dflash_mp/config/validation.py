@@ -169,11 +169,8 @@ def processes_per_job(cfg: DictConfig | RootConfig, visible_gpus: int) -> int | 
     return None
 
 
-def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> None:
-    """Raise ConfigError listing every problem in `cfg` (fields named, valid ranges given)."""
-    problems: list[str] = preset_problems(cfg)
-    m, d, t, o, tr = cfg.model, cfg.data, cfg.topology, cfg.optim, cfg.train
-
+def _validate_topology(problems: list[str], t: Any, world_size: int | None) -> None:
+    """topology.*: the layout's own fields (split or colocated) and the transport's."""
     _choice(problems, "topology.layout", t.layout, ("split", "colocated"))
     if t.layout == "colocated":
         _validate_colocated(problems, t, world_size)
@@ -181,6 +178,9 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
         _validate_split(problems, t, world_size)
     _at_least(problems, "topology.max_inflight_sends", t.max_inflight_sends, 1)
 
+
+def _validate_optim(problems: list[str], o: Any) -> None:
+    """optim.*: the learning-rate schedule, AdamW's fields and Muon's."""
     if not (isinstance(o.lr, (int, float)) and 0 < o.lr < 1):
         problems.append(f"optim.lr={o.lr!r}: must be in (0, 1), e.g. 6e-4")
     _at_least(problems, "optim.weight_decay", o.weight_decay, 0.0)
@@ -193,6 +193,9 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
         problems.append(f"optim.betas={list(o.betas)!r}: must be two numbers in [0, 1)")
     _validate_muon(problems, o)
 
+
+def _validate_train(problems: list[str], tr: Any) -> None:
+    """train.*: the length of the run, the loss weights, checkpoints, and what runs on the device."""
     if tr.max_steps != -1:
         _at_least(problems, "train.max_steps", tr.max_steps, 1, " (or -1 to derive from train.epochs)")
     _at_least(problems, "train.epochs", tr.epochs, 1)
@@ -232,14 +235,16 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
     if str(tr.cuda_graphs).lower() == "true" and tr.device == "cpu":
         problems.append("train.cuda_graphs=true needs a GPU, not train.device=cpu: use auto or false")
 
-    _at_least(problems, "watchdog.timeout_s", cfg.watchdog.timeout_s, 0.0, " (0 disables)")
+
+def _validate_eval(problems: list[str], cfg: DictConfig | RootConfig) -> None:
+    """eval.*: what training measures, on which prompts and benchmark files."""
     _at_least(problems, "eval.every", cfg.eval.every, 0, " (0 disables)")
     benchmarks = cfg.eval.benchmarks
     if (
         cfg.eval.every
         and not cfg.data.eval_files
         and not benchmarks
-        and not is_embedded_target(str(m.target_path))
+        and not is_embedded_target(str(cfg.model.target_path))
     ):
         # The embedded toy prompts say nothing about a real target's acceptance length.
         problems.append(
@@ -259,15 +264,21 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
         problem = benchmark_problem(str(path), str(name))
         if problem is not None:
             problems.append(f"eval.benchmarks.{name}={path!r}: {problem}")
-    _choice(problems, "logger.backend", cfg.logger.backend, ("none", "wandb"))
-    _choice(problems, "logger.mode", cfg.logger.mode, ("offline", "online", "disabled"))
 
+
+def _validate_model(problems: list[str], cfg: DictConfig | RootConfig) -> None:
+    """model.*: the block, the drafter's architecture and its own fields, the target layers it reads."""
+    m = cfg.model
     if m.block_size < 2:
         problems.append(f"model.block_size={m.block_size!r}: must be >= 2 (one known token + masks)")
     _validate_dflash2(problems, m)
-    problems += xpress_problems(cfg)
-    problems += dspark_problems(cfg)
+    problems.extend(xpress_problems(cfg))
+    problems.extend(dspark_problems(cfg))
     _validate_layers_and_scaling(problems, m)
+
+
+def _validate_data(problems: list[str], d: Any) -> None:
+    """data.*: lengths, what to do with bad records, the chat template, and every input file."""
     _at_least(problems, "data.max_length", d.max_length, 8)
     _at_least(problems, "data.num_anchors", d.num_anchors, 1)
     _at_least(problems, "data.pad_to_multiple", d.pad_to_multiple, 1)
@@ -300,6 +311,19 @@ def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> Non
         if problem is not None:
             problems.append(f"{key}={path!r}: {problem}")
 
+
+def validate(cfg: DictConfig | RootConfig, world_size: int | None = None) -> None:
+    """Raise ConfigError listing every problem in `cfg` (fields named, valid ranges given)."""
+    problems: list[str] = preset_problems(cfg)
+    _validate_topology(problems, cfg.topology, world_size)
+    _validate_optim(problems, cfg.optim)
+    _validate_train(problems, cfg.train)
+    _at_least(problems, "watchdog.timeout_s", cfg.watchdog.timeout_s, 0.0, " (0 disables)")
+    _validate_eval(problems, cfg)
+    _choice(problems, "logger.backend", cfg.logger.backend, ("none", "wandb"))
+    _choice(problems, "logger.mode", cfg.logger.mode, ("offline", "online", "disabled"))
+    _validate_model(problems, cfg)
+    _validate_data(problems, cfg.data)
     problems += target_problems(cfg)
     if problems:
         raise ConfigError(
