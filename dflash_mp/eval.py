@@ -26,9 +26,11 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from dflash_mp.data.benchmark_sets import BenchmarkError, resolve_benchmarks
+from dflash_mp.data.benchmark_sets import Benchmark, BenchmarkError, resolve_benchmarks
 from dflash_mp.evaluation.acceptance import (
     evaluate_acceptance,
     format_table,
@@ -38,7 +40,7 @@ from dflash_mp.evaluation.acceptance import (
 from dflash_mp.evaluation.benchmark_table import format_benchmark_table, plan_table, run_table
 from dflash_mp.evaluation.length_buckets import LengthBuckets, parse_edges
 from dflash_mp.evaluation.prompts import EvalError, held_out_prompt_files, load_prompts
-from dflash_mp.evaluation.served_acceptance import add_served_arguments, measure_served
+from dflash_mp.evaluation.served_acceptance import ServedAcceptance, add_served_arguments, measure_served
 from dflash_mp.evaluation.served_comparison import print_served, report_served_only, served_summary
 from dflash_mp.models.drafter import DFlashDrafter
 
@@ -167,95 +169,146 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = _sampling_problem(args)
     if problem:
         parser.error(problem)
-
-    from omegaconf import OmegaConf
-
-    from dflash_mp.data import load_renderer
-    from dflash_mp.embedded import embedded_path
-
+    prompt_files = served = None
     try:
         # A missing or unknown benchmark file is refused before anything heavy is read.
         benchmarks = resolve_benchmarks(args.benchmarks) if args.benchmarks else None
-        drafter, run_dir, scored = _load_drafter(args.drafter, args.step)
-        print(f"dflash_mp.eval: scoring {scored}", flush=True)
-        run_cfg = OmegaConf.load(run_dir / "config.yaml") if run_dir is not None else None
-        target_path = args.target or (
-            run_cfg.model.target_path if run_cfg is not None else str(embedded_path("target"))
-        )
-        run_data = run_cfg.data if run_cfg is not None else {}
-        lengths = LengthBuckets(run_data.get("max_length"), args.length_buckets)
-        if benchmarks is None:
-            prompt_files = held_out_prompt_files(args.prompts or run_data.get("eval_files", []), target_path)
-        # The server first: it is quick to fail, and --served-only needs no local target.
-        served = (
-            measure_served(args, prompt_files, run_data, str(target_path), drafter.block_size)
-            if benchmarks is None
-            else None
-        )
-        if served is not None and args.served_only:
-            return report_served_only(served, args)
-        trust_remote_code = args.trust_remote_code or bool(run_cfg and run_cfg.model.trust_remote_code)
-        device, dtype = resolve_device(args.device, args.dtype)
-        # The run's chat template and its kwargs (e.g. enable_thinking), as training rendered its data.
-        renderer = load_renderer(
-            target_path,
-            trust_remote_code,
-            run_data.get("chat_template", ""),
-            run_data.get("chat_template_kwargs", {}),
-        )
-        tokenizer = renderer.tokenizer
-        if benchmarks is not None:  # records, settings and prompt lengths, before the target loads
-            plan = plan_table(
-                renderer,
-                benchmarks,
-                target_path,
-                limit=args.limit,
-                max_new_tokens=args.max_new_tokens or BENCHMARK_MAX_NEW_TOKENS,
-                temperatures=args.temperature or (0.0, 1.0),
-                thinking=args.thinking,
-                top_k=args.top_k,
-                top_p=args.top_p,
-                lengths=lengths,
-            )
-        target = load_target_model(target_path, dtype, device, trust_remote_code)
-        # The drafter runs in the target's dtype, as an inference engine loads it.
-        drafter = drafter.to(device=device, dtype=dtype)
-        if args.unary:
-            if drafter.candidate_selector is None:
-                raise EvalError(
-                    "--unary needs a DFlash 2 drafter (model.arch=dflash2): this one has no selector"
-                )
-            drafter.candidate_selector = None  # the unary-only path, to compare with the served one
+        run = _open_run(args)
         if benchmarks is not None:
-            result = run_table(plan, drafter, target, seed=args.seed)
+            result = _benchmark_acceptance(args, run, benchmarks)
         else:
-            prompts = load_prompts(prompt_files, tokenizer, limit=args.num_prompts, renderer=renderer)
-            result = evaluate_acceptance(
-                drafter,
-                target,
-                tokenizer,
-                prompts,
-                args.max_new_tokens or 64,
-                temperature=args.temperature[0] if args.temperature else 0.0,
-                top_k=args.top_k or 0,
-                top_p=1.0 if args.top_p is None else args.top_p,
-                seed=args.seed,
-                baseline=True,
-                per_prompt=True,
-                lengths=lengths,
+            prompt_files = held_out_prompt_files(
+                args.prompts or run.data.get("eval_files", []), run.target_path
             )
+            # The server first: it is quick to fail, and --served-only needs no local target.
+            served = measure_served(
+                args, prompt_files, run.data, str(run.target_path), run.drafter.block_size
+            )
+            if served is not None and args.served_only:
+                return report_served_only(served, args)
+            result = _prompt_acceptance(args, run, prompt_files)
     except (EvalError, BenchmarkError, FileNotFoundError) as e:
         print(f"dflash_mp.eval: {e}", file=sys.stderr)
         return 2
-    result.update(drafter=str(args.drafter), scored=scored, target=str(target_path))
-    if benchmarks is None:
+    return _report(args, run, result, prompt_files, served)
+
+
+@dataclass
+class _Run:
+    """The drafter scored, and what its run directory (if any) says of the target and the data."""
+
+    drafter: DFlashDrafter
+    directory: Path | None
+    scored: str  # which weights, for the report
+    target_path: str
+    data: Any  # the run's data config; {} without a run directory
+    lengths: LengthBuckets
+    trust_remote_code: bool
+
+
+def _open_run(args: argparse.Namespace) -> _Run:
+    from omegaconf import OmegaConf
+
+    from dflash_mp.embedded import embedded_path
+
+    drafter, run_dir, scored = _load_drafter(args.drafter, args.step)
+    print(f"dflash_mp.eval: scoring {scored}", flush=True)
+    run_cfg = OmegaConf.load(run_dir / "config.yaml") if run_dir is not None else None
+    target_path = args.target or (
+        run_cfg.model.target_path if run_cfg is not None else str(embedded_path("target"))
+    )
+    run_data = run_cfg.data if run_cfg is not None else {}
+    lengths = LengthBuckets(run_data.get("max_length"), args.length_buckets)
+    trust_remote_code = args.trust_remote_code or bool(run_cfg and run_cfg.model.trust_remote_code)
+    return _Run(drafter, run_dir, scored, target_path, run_data, lengths, trust_remote_code)
+
+
+def _device_and_renderer(args: argparse.Namespace, run: _Run) -> tuple[Any, Any, Any]:
+    """(device, dtype, chat renderer) the evaluation runs with."""
+    from dflash_mp.data import load_renderer
+
+    device, dtype = resolve_device(args.device, args.dtype)
+    # The run's chat template and its kwargs (e.g. enable_thinking), as training rendered its data.
+    renderer = load_renderer(
+        run.target_path,
+        run.trust_remote_code,
+        run.data.get("chat_template", ""),
+        run.data.get("chat_template_kwargs", {}),
+    )
+    return device, dtype, renderer
+
+
+def _load_models(args: argparse.Namespace, run: _Run, device: Any, dtype: Any) -> tuple[DFlashDrafter, Any]:
+    """(drafter, target) on the device, the drafter without its selector for --unary."""
+    target = load_target_model(run.target_path, dtype, device, run.trust_remote_code)
+    # The drafter runs in the target's dtype, as an inference engine loads it.
+    drafter = run.drafter.to(device=device, dtype=dtype)
+    if args.unary:
+        if drafter.candidate_selector is None:
+            raise EvalError("--unary needs a DFlash 2 drafter (model.arch=dflash2): this one has no selector")
+        drafter.candidate_selector = None  # the unary-only path, to compare with the served one
+    return drafter, target
+
+
+def _prompt_acceptance(args: argparse.Namespace, run: _Run, prompt_files: list[str]) -> dict[str, Any]:
+    """tau and the speedup over the held-out prompts in `prompt_files`."""
+    device, dtype, renderer = _device_and_renderer(args, run)
+    drafter, target = _load_models(args, run, device, dtype)
+    tokenizer = renderer.tokenizer
+    prompts = load_prompts(prompt_files, tokenizer, limit=args.num_prompts, renderer=renderer)
+    return evaluate_acceptance(
+        drafter,
+        target,
+        tokenizer,
+        prompts,
+        args.max_new_tokens or 64,
+        temperature=args.temperature[0] if args.temperature else 0.0,
+        top_k=args.top_k or 0,
+        top_p=1.0 if args.top_p is None else args.top_p,
+        seed=args.seed,
+        baseline=True,
+        per_prompt=True,
+        lengths=run.lengths,
+    )
+
+
+def _benchmark_acceptance(args: argparse.Namespace, run: _Run, benchmarks: list[Benchmark]) -> dict[str, Any]:
+    """The --benchmarks table: tau per benchmark, temperature and thinking setting."""
+    device, dtype, renderer = _device_and_renderer(args, run)
+    # Records, settings and prompt lengths, before the target loads.
+    plan = plan_table(
+        renderer,
+        benchmarks,
+        run.target_path,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens or BENCHMARK_MAX_NEW_TOKENS,
+        temperatures=args.temperature or (0.0, 1.0),
+        thinking=args.thinking,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        lengths=run.lengths,
+    )
+    drafter, target = _load_models(args, run, device, dtype)
+    return run_table(plan, drafter, target, seed=args.seed)
+
+
+def _report(
+    args: argparse.Namespace,
+    run: _Run,
+    result: dict[str, Any],
+    prompt_files: list[str] | None,
+    served: ServedAcceptance | None,
+) -> int:
+    """Write the result JSON and print its table; `prompt_files` None: the benchmark table."""
+    result.update(drafter=str(args.drafter), scored=run.scored, target=str(run.target_path))
+    if prompt_files is not None:
         result["prompt_files"] = [str(p) for p in prompt_files]
     if served is not None:
         result["served"] = served_summary(served, result, args.tolerance)
-    name = "eval.json" if benchmarks is None else "eval-benchmarks.json"
-    out = args.out or ((run_dir or Path(".")) / name)
+    name = "eval.json" if prompt_files is not None else "eval-benchmarks.json"
+    out = args.out or ((run.directory or Path(".")) / name)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(format_table(result) if benchmarks is None else format_benchmark_table(result))
+    print(format_table(result) if prompt_files is not None else format_benchmark_table(result))
     if served is not None:
         print_served(result["served"])
     print(f"wrote {out}")
