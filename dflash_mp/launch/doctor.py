@@ -98,6 +98,7 @@ def preflight(
                     on_gpu,
                     cfg.model.trust_remote_code,
                     cuda_graphs=resolve_cuda_graphs(cfg, torch.device("cuda"), tensor_parallel=False),
+                    packed_rows=bool(cfg.data.packing),
                 )
             )
         if all(c.ok for c in checks if c.name in ("imports", "config", "target")):
@@ -314,11 +315,15 @@ def _usable_target_config(target_path: str) -> bool:
 
 
 def check_target_kernels(
-    target_path: str, on_gpu: bool, trust_remote_code: bool = False, cuda_graphs: bool = True
+    target_path: str,
+    on_gpu: bool,
+    trust_remote_code: bool = False,
+    cuda_graphs: bool = True,
+    packed_rows: bool = False,
 ) -> Check:
-    """The kernels the target forward will run (attention, linear attention, experts), whether it
-    replays CUDA graphs, and what a missing optional extra costs; a missing extra is a warning,
-    not a failure."""
+    """The kernels the target forward will run (attention, linear attention, state-space mixers,
+    experts), whether it replays CUDA graphs, and what a missing optional package costs; a missing
+    one is a warning, not a failure. `packed_rows`: data.packing."""
     from dflash_mp.models.target import load_target_config
     from dflash_mp.models.target_kernels import describe_kernels, format_kernels
 
@@ -326,10 +331,10 @@ def check_target_kernels(
         config = load_target_config(target_path, trust_remote_code=trust_remote_code).get_text_config()
     except Exception as e:  # an unknown model type: the load itself will say more
         return Check("kernels", True, f"warning: cannot read the target's config ({type(e).__name__}: {e})")
-    kernels = describe_kernels(config, on_gpu)
+    kernels = describe_kernels(config, on_gpu, packed_rows)
     if on_gpu:  # a tensor-parallel target runs eagerly whatever this says (its rank logs so)
         kernels["CUDA graphs"] = "one per input shape" if cuda_graphs else "no"
-    slow = "torch fallback" in kernels.get("linear_attention", "")
+    slow = any("torch fallback" in kernels.get(kind, "") for kind in ("linear_attention", "state_space"))
     return Check("kernels", True, ("warning: " if slow else "") + format_kernels(kernels))
 
 

@@ -19,7 +19,15 @@
   included. On GPU they run flex_attention instead, with the same block mask the sink kernel
   builds (causal or windowed, within each document), which skips the tiles no query may see.
 - Mixture-of-experts: transformers' grouped-GEMM experts (torch._grouped_mm) instead of a loop,
-  with the combine of each token's top-k outputs as one pointwise kernel (models/moe_experts.py).
+  with the combine of each token's top-k outputs as one pointwise kernel (models/moe_experts.py),
+  where the model's experts take another implementation (transformers' own test); else (Llama 4's
+  batched matmuls) the model's own.
+- Mamba-2 / state-space mixers (NemotronH): transformers' own forward, on the `mamba-ssm` and
+  `causal-conv1d` CUDA kernels where those packages import, else its torch fallback; packed rows
+  run one row per document (models/packed_target.py).
+
+`kernel_kinds` decides all of it from the config, the decoder's class and the machine: the doctor
+says it before the model loads (`describe_kernels`), `use_fast_kernels` applies it.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
 from dflash_mp.models import linear_attention, moe_experts, target_graphs
+from dflash_mp.models.target_fields import expert_count, has_state_space
 from dflash_mp.models.target_structure import decoder_layers
 
 SINK_ATTENTION = "dflash_sink_flex"
@@ -77,11 +86,47 @@ def has_attention_sinks(config: Any) -> bool:
 
 
 def has_linear_attention(config: Any) -> bool:
-    return "linear_attention" in (getattr(config, "layer_types", None) or [])
+    """Gated-deltanet layers; not the Mamba mixers transformers also types "linear_attention"."""
+    return "linear_attention" in (getattr(config, "layer_types", None) or []) and not has_state_space(config)
 
 
 def is_moe(config: Any) -> bool:
-    return any(getattr(config, key, None) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+    """Routed experts, under any name the project knows (target_fields.expert_count)."""
+    return expert_count(config) > 0
+
+
+def state_space_kernels(cuda: bool) -> str:
+    """What transformers runs a Mamba-2 mixer on: its `use_kernel_func_from_hub_with_fallback`
+    functions take the packages' CUDA kernels for CUDA inputs where they import, else torch."""
+    if not cuda:
+        return "transformers' torch forward (CPU)"
+    found = {name: importlib.util.find_spec(name) is not None for name in ("mamba_ssm", "causal_conv1d")}
+    if all(found.values()):
+        return "mamba-ssm and causal-conv1d CUDA kernels"
+    missing = " and ".join(name.replace("_", "-") for name, ok in found.items() if not ok)
+    return f"transformers' torch fallback (install {missing} for the CUDA kernels)"
+
+
+def target_model_class(config: Any) -> type | None:
+    """transformers' base-model class for `config`'s model_type (the decoder that runs its layers);
+    None for a type transformers does not know (remote code). Imports its modelling module."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    name = MODEL_MAPPING_NAMES.get(getattr(config, "model_type", None))
+    if not isinstance(name, str):
+        return None
+    import transformers
+
+    return getattr(transformers, name, None)
+
+
+def takes_grouped_experts(model_class: type | None) -> bool | None:
+    """Whether a model of `model_class` takes another experts implementation: transformers' own test
+    (set_experts_implementation refuses the others); None where unknown (no class)."""
+    if model_class is None:
+        return None
+    can_set = getattr(model_class, "_can_set_experts_implementation", None)
+    return bool(can_set()) if can_set is not None else hasattr(model_class, "set_experts_implementation")
 
 
 def takes_document_flex(config: Any) -> bool:
@@ -90,26 +135,62 @@ def takes_document_flex(config: Any) -> bool:
     (logit softcapping, chunked attention)."""
     layer_types = set(getattr(config, "layer_types", None) or [])
     return (
-        getattr(config, "_attn_implementation", None) == "sdpa"
+        # None: a config not yet built into a model, which transformers puts on SDPA
+        (getattr(config, "_attn_implementation", None) or "sdpa") == "sdpa"
         and not getattr(config, "attn_logit_softcapping", None)
         and not getattr(config, "attention_chunk_size", None)
         and "chunked_attention" not in layer_types
     )
 
 
-def describe_kernels(config: Any, on_gpu: bool) -> dict[str, str]:
-    """The kernels a target of `config` (its text config) runs with `use_fast_kernels` on this machine."""
-    kernels = {"attention": "sdpa"}
+SINK_FLEX = "flex_attention with sinks (exact lse rescale)"
+
+
+def kernel_kinds(
+    config: Any,
+    model_class: type | None,
+    cuda: bool,
+    packed_rows: bool = False,
+    fast_linear_attention: bool = False,
+) -> dict[str, str]:
+    """What a target of `config` (its text config), whose decoder is a `model_class`, runs after
+    `use_fast_kernels`, per kind of layer it has: attention, and linear_attention, state_space,
+    experts where it has them. `cuda`: its layers on a GPU; `packed_rows`: data.packing;
+    `fast_linear_attention`: its gated deltanets on models/linear_attention.py's forward. From the
+    config, the class and the installed packages only: no model is needed."""
+    attention = str(getattr(config, "_attn_implementation", None) or "sdpa")
     if has_attention_sinks(config):
-        kernels["attention"] = (
-            "flex_attention with sinks (exact lse rescale)" if on_gpu else "eager with sinks (CPU)"
-        )
+        attention = SINK_FLEX
+    elif packed_rows and takes_document_flex(config):
+        attention = DOCUMENT_FLEX
+    kernels = {"attention": attention}
     if has_linear_attention(config):
-        # A tensor-parallel target keeps transformers' forward (its ranks log what they run).
-        fast = on_gpu and linear_attention.fast_path_model(config)
-        kernels["linear_attention"] = linear_attention_kernels(fast_forward=fast)
+        kernels["linear_attention"] = linear_attention_kernels(fast_forward=fast_linear_attention)
+    if has_state_space(config):
+        rows = "; packed rows: one row per document" if packed_rows else ""
+        kernels["state_space"] = f"Mamba-2 on {state_space_kernels(cuda)}{rows}"
     if is_moe(config):
-        kernels["experts"] = moe_experts.EXPERTS_IMPLEMENTATION if moe_experts.register() else "grouped_mm"
+        grouped = takes_grouped_experts(model_class)
+        if grouped is None:
+            kernels["experts"] = "decided once it loads (remote code)"
+        elif grouped:
+            kernels["experts"] = (
+                moe_experts.EXPERTS_IMPLEMENTATION if moe_experts.register() else "grouped_mm"
+            )
+        else:
+            kernels["experts"] = f"{model_class.__name__}'s own"
+    return kernels
+
+
+def describe_kernels(config: Any, on_gpu: bool, packed_rows: bool = False) -> dict[str, str]:
+    """The kernels a target of `config` (its text config) runs on this machine, before it loads:
+    on GPU `kernel_kinds` (what `use_fast_kernels` applies), on CPU transformers' own paths."""
+    model_class = target_model_class(config) if is_moe(config) else None
+    # A tensor-parallel target keeps transformers' linear-attention forward (its ranks log what they run).
+    fast = on_gpu and has_linear_attention(config) and linear_attention.fast_path_model(config)
+    kernels = kernel_kinds(config, model_class, on_gpu, packed_rows and on_gpu, fast_linear_attention=fast)
+    if not on_gpu and has_attention_sinks(config):
+        kernels["attention"] = "eager with sinks (CPU)"
     return kernels
 
 
@@ -121,32 +202,19 @@ def use_fast_kernels(decoder: nn.Module, packed_rows: bool = False) -> dict[str,
     """Switch a built decoder to the fast kernels (same outputs); returns what it now runs.
     `packed_rows`: the decoder will run packed rows (data.packing), which take flex_attention."""
     config = decoder.config
-    attention_name = None
-    if has_attention_sinks(config):
-        _register_sink_attention()
-        config._attn_implementation = SINK_ATTENTION
-        attention_name = "flex_attention with sinks (exact lse rescale)"
-    elif packed_rows and takes_document_flex(config):
-        _register_sink_attention()
-        config._attn_implementation = SINK_ATTENTION  # the same kernel, no sinks to apply
-        attention_name = DOCUMENT_FLEX
-    own_experts = False
-    if is_moe(config) and hasattr(decoder, "set_experts_implementation"):
-        try:
-            decoder.set_experts_implementation("grouped_mm")  # transformers checks it can dispatch here
-        except ValueError:  # experts of the model's own (Llama 4's batched matmuls): kept as they are
-            own_experts = True
-        if not own_experts and config._experts_implementation == "grouped_mm" and moe_experts.register():
-            decoder.set_experts_implementation(moe_experts.EXPERTS_IMPLEMENTATION)
-    kernels = {"attention": attention_name or config._attn_implementation}
+    fast = False
     if has_linear_attention(config):
         # Per module: Qwen3.5's on CUDA with fla, unsharded; others keep transformers' forward.
         layers = [getattr(layer, "linear_attn", None) for layer in decoder_layers(decoder)]
-        fast = [linear_attention.use_fast_forward(m) for m in layers if m is not None]
-        kernels["linear_attention"] = linear_attention_kernels(fast_forward=any(fast))
-    if is_moe(config):
-        chosen = str(getattr(config, "_experts_implementation", None) or "eager")
-        kernels["experts"] = f"{type(decoder).__name__}'s own" if own_experts else chosen
+        fast = any([linear_attention.use_fast_forward(m) for m in layers if m is not None])
+    cuda = any(p.is_cuda for p in decoder.parameters())
+    kernels = kernel_kinds(config, type(decoder), cuda, packed_rows, fast_linear_attention=fast)
+    if kernels["attention"] in (SINK_FLEX, DOCUMENT_FLEX):  # the same kernel; sinks where the model has them
+        _register_sink_attention()
+        config._attn_implementation = SINK_ATTENTION
+    experts = kernels.get("experts")
+    if experts in (moe_experts.EXPERTS_IMPLEMENTATION, "grouped_mm"):
+        decoder.set_experts_implementation(experts)  # registered by kernel_kinds
     return kernels
 
 

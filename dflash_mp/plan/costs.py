@@ -8,9 +8,11 @@ they give 0.47 GB for the target and 7.2 GB for the drafter, against 0.48 and 6.
 measured activation by these estimates instead of using them raw.
 
 A target whose layers the dense formula does not describe (mixture of experts, linear attention,
-MLA) is counted on transformers' own model built on the meta device (no memory): its parameters
-per layer, all of them for memory and the routed experts at top-k / experts for FLOPs. Its
-drafter is the dense layer models/drafter_config.py builds for it.
+state-space mixers, MLA) is counted on transformers' own model built on the meta device (no
+memory): its parameters per layer, all of them for memory and the routed experts at top-k /
+experts for FLOPs (shared experts run for every token). The experts and top-k are read under any
+name models/target_fields.py knows (ERNIE's `moe_num_experts` and `moe_k` included). Its drafter
+is the dense layer models/drafter_config.py builds for it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_mp.config.schema import default_target_layer_ids
+from dflash_mp.models.target_fields import expert_count, experts_per_token, has_state_space
 from dflash_mp.plan import PlanError
 
 BF16 = 2
@@ -28,7 +31,6 @@ TRAIN_STATE_BYTES = 16
 LOSS_CHUNK_ROWS = 2048
 # Anchors sit in the response, on average three quarters into the sequence (the benchmark's data).
 MEAN_ANCHOR_POSITION = 0.75
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _MLA_KEYS = ("kv_lora_rank", "q_lora_rank")
 _LINEAR_ATTENTION_KEYS = ("linear_num_key_heads", "linear_num_value_heads")  # Qwen3.5, Qwen3-Next
 
@@ -69,10 +71,12 @@ class Workload:
 
 
 def is_dense(config: dict[str, Any]) -> bool:
-    """A decoder the dense formula counts: no experts, no linear attention, no MLA."""
+    """A decoder the dense formula counts: no experts, no linear attention or state space, no MLA."""
     layer_types = config.get("layer_types") or []
-    special = (*_MOE_KEYS, *_MLA_KEYS, *_LINEAR_ATTENTION_KEYS)
-    return not (any(config.get(key) for key in special) or "linear_attention" in layer_types)
+    special = any(config.get(key) for key in (*_MLA_KEYS, *_LINEAR_ATTENTION_KEYS))
+    return not (
+        special or expert_count(config) or has_state_space(config) or "linear_attention" in layer_types
+    )
 
 
 def shape_from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
@@ -124,8 +128,7 @@ def counted_shape(config: dict[str, Any], name: str) -> ModelShape:
     hf_config = CONFIG_MAPPING[model_type].from_dict(config)
     with torch.device("meta"):
         layers = AutoModel.from_config(hf_config).layers
-    experts = next((getattr(hf_config, key) for key in _MOE_KEYS if getattr(hf_config, key, None)), 0)
-    top_k = getattr(hf_config, "num_experts_per_tok", None) or 1
+    experts, top_k = expert_count(hf_config), experts_per_token(hf_config)
     every = active = 0
     for param_name, param in layers.named_parameters():
         every += param.numel()
