@@ -235,19 +235,8 @@ class DrafterTrainer:
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(packed, group=self.group)
 
-        # Micro-batches without loss tokens do not dilute the step (factor 1.0 when all had some),
-        # and clipping bounds the norm of the rescaled gradient. Both become one multiplier that
-        # stays on the device, so nothing here waits for the host.
         grads = self.optimizer.gradients()
-        factor = packed[MICRO_BATCHES] / packed[SCORED].clamp_min(1)
-        norm = torch.zeros((), dtype=torch.float64, device=self.device)
-        if grads:
-            # bf16 gradients (working weights) are summed in fp32 and give fp32 norms.
-            wide = all(g.dtype == torch.float32 for g in grads)
-            norms = torch._foreach_norm(grads) if wide else torch._foreach_norm(grads, 2, dtype=torch.float32)
-            norm = factor * torch.linalg.vector_norm(torch.stack(norms).double())
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        gradient_scale = factor * (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        norm, gradient_scale = self._norm_and_gradient_scale(grads, packed)
         # Whether the update applies is decided on the device too (loss tokens, a finite loss and
         # norm), so AdamW is queued before the host reads anything: the device runs the update
         # while the host reads the step's numbers and prepares the next step.
@@ -279,6 +268,40 @@ class DrafterTrainer:
 
         now = time.perf_counter()
         elapsed, self._step_start = now - self._step_start, now
+        record = self._record(host, lr, loss, grad_norm, skip_reason, elapsed)
+        record.update(extra or {})
+        self.totals = StepTotals()
+        if skip_reason == "nonfinite":
+            self._stop_if_nonfinite_ends_the_job(record)
+        return record
+
+    def _norm_and_gradient_scale(
+        self, grads: list[torch.Tensor], packed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the step's gradient norm, the multiplier AdamW applies to the gradients), on the device."""
+        # Micro-batches without loss tokens do not dilute the step (factor 1.0 when all had some),
+        # and clipping bounds the norm of the rescaled gradient. Both become one multiplier that
+        # stays on the device, so nothing here waits for the host.
+        factor = packed[MICRO_BATCHES] / packed[SCORED].clamp_min(1)
+        norm = torch.zeros((), dtype=torch.float64, device=self.device)
+        if grads:
+            # bf16 gradients (working weights) are summed in fp32 and give fp32 norms.
+            wide = all(g.dtype == torch.float32 for g in grads)
+            norms = torch._foreach_norm(grads) if wide else torch._foreach_norm(grads, 2, dtype=torch.float32)
+            norm = factor * torch.linalg.vector_norm(torch.stack(norms).double())
+        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        return norm, factor * (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+    def _record(
+        self,
+        host: HostTotals,
+        lr: float,
+        loss: float | None,
+        grad_norm: float,
+        skip_reason: str | None,
+        elapsed: float,
+    ) -> dict:
+        """The metrics record of the step just taken, with the drafter architecture's own terms."""
         record = {
             "step": self.step,
             "loss": loss,
@@ -299,14 +322,10 @@ class DrafterTrainer:
             record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self.drafter.arch == "dflash2":
             record.update(selector_metrics(host.selector, host.count, host.scored))
-        if xpress:
+        if self.drafter.arch == "xpress":
             record.update(xpress_metrics(host.xpress, host.scored))
         if self.drafter.arch == "dspark":  # its sums travel in the selector's slot (step_totals.py)
             record.update(dspark_metrics(host.selector, host.correct, host.count, host.scored))
-        record.update(extra or {})
-        self.totals = StepTotals()
-        if skip_reason == "nonfinite":
-            self._stop_if_nonfinite_ends_the_job(record)
         return record
 
     def _judge(self, host: HostTotals) -> tuple[float | None, float, str | None]:
