@@ -204,29 +204,14 @@ def drafter_arch(config: PretrainedConfig) -> str:
     return "dflash2" if all(key in dflash for key in DFLASH2_FIELDS) else "dflash"
 
 
-def build_drafter_config(
-    target_config: dict[str, Any] | PretrainedConfig,
+def _shape_problems(
+    target: dict[str, Any],
     draft_layers: int,
     target_layer_ids: list[int],
     block_size: int,
     mask_token_id: int,
-    arch: str = "dflash",
-    dflash2: dict[str, int] | None = None,
-    layer_types: list[str] | None = None,
-    sliding_window: int | None = None,
-    scaling: dict[str, float | None] | None = None,
-    xpress: dict[str, int] | None = None,
-    dspark: dict[str, Any] | None = None,
-) -> Qwen3Config:
-    """The drafter's config: the target's layer shapes, `draft_layers` layers and the DFlash fields.
-
-    `arch="dflash2"` adds `dflash2` (conv_kernel_size, conv_group_size, selector_rank,
-    selector_top_k) to `dflash_config`, `arch="xpress"` adds `xpress` (XPRESS_FIELDS). `layer_types` (one per draft layer, null: all full
-    attention) and `sliding_window` go to the top level, where the reference reads them;
-    `scaling` (keys of SCALING_DEFAULTS; null or absent: what the target does, `target_scaling`)
-    goes to `dflash_config`, only the non-default values, so a Qwen3 target's export is unchanged.
-    """
-    target = _text_fields(target_config)
+) -> list[str]:
+    """What is wrong with the drafter's depth, the target layers it reads, its block and mask token."""
     num_target_layers = int(target["num_hidden_layers"])
     problems = []
     if draft_layers < 1:
@@ -242,6 +227,18 @@ def build_drafter_config(
         problems.append(
             f"mask_token_id {mask_token_id} is outside the target vocabulary [0, {target['vocab_size']})"
         )
+    return problems
+
+
+def _arch_fields(
+    problems: list[str],
+    target: dict[str, Any],
+    arch: str,
+    dflash2: dict[str, int] | None,
+    xpress: dict[str, int] | None,
+    dspark: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The architecture's own dflash_config fields (none for DFlash); their problems go to `problems`."""
     extra: dict[str, Any] = {}
     if arch == "dflash2":
         extra = {key: int((dflash2 or {}).get(key, 0)) for key in DFLASH2_FIELDS}
@@ -267,7 +264,13 @@ def build_drafter_config(
         problems += [f"arch dspark: {problem}" for problem in dspark_field_problems(extra)]
     elif arch != "dflash":
         problems.append(f"arch {arch!r} must be one of {sorted(ARCHITECTURES)}")
-    layer_types = list(layer_types) if layer_types else ["full_attention"] * draft_layers
+    return extra
+
+
+def _check_layer_types(
+    problems: list[str], layer_types: list[str], draft_layers: int, sliding_window: int | None
+) -> None:
+    """One known attention kind per draft layer, and a window where a layer slides."""
     if len(layer_types) != draft_layers or any(kind not in LAYER_TYPES for kind in layer_types):
         problems.append(
             f"layer_types {layer_types} must name one of {LAYER_TYPES} per draft layer ({draft_layers})"
@@ -275,6 +278,12 @@ def build_drafter_config(
     sliding = "sliding_attention" in layer_types
     if sliding and not (isinstance(sliding_window, int) and sliding_window >= 1):
         problems.append(f"sliding_window must be >= 1 for sliding_attention layers, got {sliding_window}")
+
+
+def _non_default_scaling(
+    problems: list[str], target: dict[str, Any], scaling: dict[str, float | None] | None
+) -> dict[str, float | None]:
+    """The scaling fields that differ from SCALING_DEFAULTS: the ones asked for, else the target's."""
     scaling = dict(scaling or {})
     if unknown := sorted(set(scaling) - set(SCALING_DEFAULTS)):
         problems.append(f"unknown scaling fields {unknown}: known are {list(SCALING_DEFAULTS)}")
@@ -282,7 +291,39 @@ def build_drafter_config(
     scaling = {key: derived[key] if scaling.get(key) is None else scaling[key] for key in SCALING_DEFAULTS}
     if (scaling["final_logit_softcapping"] or 0) <= 0:  # 0 asks for no cap, whatever the target does
         scaling["final_logit_softcapping"] = None
-    scaling = {key: value for key, value in scaling.items() if value != SCALING_DEFAULTS[key]}
+    return {key: value for key, value in scaling.items() if value != SCALING_DEFAULTS[key]}
+
+
+def build_drafter_config(
+    target_config: dict[str, Any] | PretrainedConfig,
+    draft_layers: int,
+    target_layer_ids: list[int],
+    block_size: int,
+    mask_token_id: int,
+    arch: str = "dflash",
+    dflash2: dict[str, int] | None = None,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    scaling: dict[str, float | None] | None = None,
+    xpress: dict[str, int] | None = None,
+    dspark: dict[str, Any] | None = None,
+) -> Qwen3Config:
+    """The drafter's config: the target's layer shapes, `draft_layers` layers and the DFlash fields.
+
+    `arch="dflash2"` adds `dflash2` (conv_kernel_size, conv_group_size, selector_rank,
+    selector_top_k) to `dflash_config`, `arch="xpress"` adds `xpress` (XPRESS_FIELDS). `layer_types` (one per draft layer, null: all full
+    attention) and `sliding_window` go to the top level, where the reference reads them;
+    `scaling` (keys of SCALING_DEFAULTS; null or absent: what the target does, `target_scaling`)
+    goes to `dflash_config`, only the non-default values, so a Qwen3 target's export is unchanged.
+    """
+    target = _text_fields(target_config)
+    num_target_layers = int(target["num_hidden_layers"])
+    problems = _shape_problems(target, draft_layers, target_layer_ids, block_size, mask_token_id)
+    extra = _arch_fields(problems, target, arch, dflash2, xpress, dspark)
+    layer_types = list(layer_types) if layer_types else ["full_attention"] * draft_layers
+    sliding = "sliding_attention" in layer_types
+    _check_layer_types(problems, layer_types, draft_layers, sliding_window)
+    scaling = _non_default_scaling(problems, target, scaling)
     try:
         fields = drafter_geometry(target)
     except ValueError as error:
