@@ -228,7 +228,9 @@ def _propose(
         )
     # Output at block index k guesses the token at start + k; index 0 is the known token.
     if refiner is not None:
-        logits = xpress_logits(drafter, hidden.to(head.weight.dtype), head, first_token, before_first)[1:proposed]
+        logits = xpress_logits(drafter, hidden.to(head.weight.dtype), head, first_token, before_first)[
+            1:proposed
+        ]
     else:
         logits = drafter.logits(hidden[0, 1:].to(head.weight.dtype), head)
     selector = getattr(drafter, "candidate_selector", None)
@@ -269,9 +271,10 @@ def speculative_generate(
     _synchronize(device)
     began = time.perf_counter()
 
+    sampling = (temperature, generator, top_k, top_p)
     cache = _new_cache(target)
     logits, context_features = _target_step(target, prompt_ids, 0, cache, layer_ids, logits_to_keep=1)
-    tokens = list(prompt_ids) + _pick(logits[-1:], temperature, generator, top_k, top_p).tolist()
+    tokens = list(prompt_ids) + _pick(logits[-1:], *sampling).tolist()
     # tokens[start] is the newest token: produced, but not yet run through the target.
     start = len(prompt_ids)
     stopped = tokens[start] in stop
@@ -280,41 +283,17 @@ def speculative_generate(
         proposals, draft_probs = [], None
         if size > 1:
             proposals, draft_probs = _propose(
-                drafter,
-                target,
-                context_features,
-                tokens[start],
-                start,
-                size,
-                temperature,
-                generator,
-                top_k,
-                top_p,
+                drafter, target, context_features, tokens[start], start, size, *sampling,
                 before_first=tokens[start - 1],
-            )
+            )  # fmt: skip
         block = [tokens[start], *proposals]
         logits, block_features = _target_step(target, block, start, cache, layer_ids)
-        if temperature <= 0:
-            agrees = torch.tensor(proposals, device=device) == logits[:-1].argmax(-1)
-            accepted = int(agrees.int().cumprod(0).sum())
-            next_token = int(logits[accepted].argmax())
-        elif proposals:
-            accepted, next_token = _rejection_sample(
-                torch.tensor(proposals, device=device),
-                draft_probs,
-                sampling_probs(logits, temperature, top_k, top_p),
-                generator,
-            )
-        else:
-            accepted, next_token = 0, int(_pick(logits[-1:], temperature, generator, top_k, top_p))
+        accepted, next_token = _verify(logits, proposals, draft_probs, device, *sampling)
         for k in range(len(proposals)):
             drafted[k] += 1
             accepted_at[k] += k < accepted
         new = [*proposals[:accepted], next_token]
-        produced = min(len(new), max_length - start - 1)
-        stop_at = next((i for i, token in enumerate(new[:produced]) if token in stop), None)
-        if stop_at is not None:
-            produced, stopped = stop_at + 1, True
+        produced, stopped = _tokens_kept(new, max_length - start - 1, stop)
         tokens = tokens[: start + 1] + new[:produced]
         # The target's features of the block are valid up to the last token it agreed with.
         context_features = torch.cat([context_features, block_features[:produced]])
@@ -330,6 +309,43 @@ def speculative_generate(
         drafted=drafted,
         accepted=accepted_at,
     )
+
+
+def _verify(
+    logits: torch.Tensor,
+    proposals: list[int],
+    draft_probs: torch.Tensor | None,
+    device: torch.device,
+    temperature: float,
+    generator: torch.Generator | None,
+    top_k: int,
+    top_p: float,
+) -> tuple[int, int]:
+    """(drafts the target accepts, the token it adds after them), from the target's logits over the
+    block (`device`: the proposals' tensor's): greedy agreement at temperature 0, else rejection
+    sampling against the drafter's probs."""
+    if temperature <= 0:
+        agrees = torch.tensor(proposals, device=device) == logits[:-1].argmax(-1)
+        accepted = int(agrees.int().cumprod(0).sum())
+        return accepted, int(logits[accepted].argmax())
+    if proposals:
+        return _rejection_sample(
+            torch.tensor(proposals, device=device),
+            draft_probs,
+            sampling_probs(logits, temperature, top_k, top_p),
+            generator,
+        )
+    return 0, int(_pick(logits[-1:], temperature, generator, top_k, top_p))
+
+
+def _tokens_kept(new: list[int], room: int, stop: set[int]) -> tuple[int, bool]:
+    """(how many of the `new` tokens are kept, whether a stop token ended the generation): at most
+    `room`, and none past the first stop token."""
+    produced = min(len(new), room)
+    stop_at = next((i for i, token in enumerate(new[:produced]) if token in stop), None)
+    if stop_at is not None:
+        return stop_at + 1, True
+    return produced, False
 
 
 @torch.inference_mode()
