@@ -131,46 +131,60 @@ def flex_block_mask(
     num_queries = num_anchors * block_size
     num_keys = context_len + num_queries
     q_tiles, kv_tiles = -(-num_queries // FLEX_TILE), -(-num_keys // FLEX_TILE)
-    device = anchors.device
-    # Each query's anchor, padded to whole tiles with the last one (padding rows are never computed).
-    query_anchor = anchors[:, :, None].expand(batch, num_anchors, block_size).reshape(batch, num_queries)
-    padding = q_tiles * FLEX_TILE - num_queries
-    query_anchor = torch.cat([query_anchor, query_anchor[:, -1:].expand(batch, padding)], dim=1)
-    per_tile = query_anchor.view(batch, q_tiles, FLEX_TILE)
-    lowest, highest = per_tile.min(-1).values[:, :, None], per_tile.max(-1).values[:, :, None]
     # Query positions a_n + q % Bs lie in [lowest, highest + Bs - 1] within a tile.
-
-    key_start = torch.arange(kv_tiles, device=device) * FLEX_TILE
+    lowest, highest = _tile_extremes(anchors, block_size, q_tiles)
+    key_start = torch.arange(kv_tiles, device=anchors.device) * FLEX_TILE
     key_end = (key_start + FLEX_TILE).clamp(max=num_keys)
     # Context keys [key_start, min(key_end, S)): query q sees key j iff j < anchor(q).
     sees_context = (key_start < context_len) & (key_start < highest)
     all_context = (key_end <= context_len) & (key_end <= lowest)
     if starts is not None:
-        padded_starts = starts[:, :, None].expand(batch, num_anchors, block_size).reshape(batch, num_queries)
-        padded_starts = torch.cat([padded_starts, padded_starts[:, -1:].expand(batch, padding)], dim=1)
-        tile_starts = padded_starts.view(batch, q_tiles, FLEX_TILE)
-        first_start, last_start = (
-            tile_starts.min(-1).values[:, :, None],
-            tile_starts.max(-1).values[:, :, None],
-        )
+        first_start, last_start = _tile_extremes(starts, block_size, q_tiles)
         sees_context = sees_context & (key_end > first_start)
         all_context = all_context & (last_start <= key_start)
     if window is not None:
         sees_context = sees_context & (lowest - (key_end - 1) < window)
         all_context = all_context & (highest + block_size - 1 - key_start < window)
+    sees_blocks = _sees_block_keys(context_len, block_size, num_queries, q_tiles, key_start, key_end)
+    full = all_context
+    partial = (sees_context | sees_blocks) & ~full
+    mask_mod = block_mask_mod(anchors, context_len, block_size, window, starts)
+    return _block_mask_of_tiles(partial, full, num_queries, num_keys, mask_mod)
+
+
+def _tile_extremes(per_anchor: Tensor, block_size: int, q_tiles: int) -> tuple[Tensor, Tensor]:
+    """The lowest and highest of a per-anchor value [B, N] over each query tile, [B, q_tiles, 1]."""
+    batch, num_anchors = per_anchor.shape
+    num_queries = num_anchors * block_size
+    per_query = per_anchor[:, :, None].expand(batch, num_anchors, block_size).reshape(batch, num_queries)
+    # Padded to whole tiles with the last query's value (padding rows are never computed).
+    padding = q_tiles * FLEX_TILE - num_queries
+    per_query = torch.cat([per_query, per_query[:, -1:].expand(batch, padding)], dim=1)
+    per_tile = per_query.view(batch, q_tiles, FLEX_TILE)
+    return per_tile.min(-1).values[:, :, None], per_tile.max(-1).values[:, :, None]
+
+
+def _sees_block_keys(
+    context_len: int, block_size: int, num_queries: int, q_tiles: int, key_start: Tensor, key_end: Tensor
+) -> Tensor:
+    """[q_tiles, kv_tiles]: whether a query tile and a key tile share a block's tokens."""
     # Block keys: block-token t (key S + t) is seen by the queries of block t // Bs only.
-    query_start = torch.arange(q_tiles, device=device) * FLEX_TILE
+    query_start = torch.arange(q_tiles, device=key_start.device) * FLEX_TILE
     query_end = (query_start + FLEX_TILE).clamp(max=num_queries)
     first_query_block, last_query_block = query_start // block_size, (query_end - 1) // block_size
     first_key_block = (key_start.clamp(min=context_len) - context_len) // block_size
     last_key_block = (key_end - 1 - context_len) // block_size
-    sees_blocks = (
+    return (
         (key_end > context_len)
         & (first_key_block <= last_query_block[:, None])
         & (first_query_block[:, None] <= last_key_block)
     )
-    full = all_context
-    partial = (sees_context | sees_blocks) & ~full
+
+
+def _block_mask_of_tiles(
+    partial: Tensor, full: Tensor, num_queries: int, num_keys: int, mask_mod: Callable
+) -> BlockMask:
+    """The BlockMask of [B, q_tiles, kv_tiles] partial and full tiles."""
     # Both orientations from the tiles at hand: BlockMask.from_kv_blocks would rebuild the dense
     # tiles from the lists to transpose them, some twenty more small kernels per micro-batch.
     kv_count, kv_indices = _tiles_to_ordered(partial)
@@ -188,7 +202,7 @@ def flex_block_mask(
         full_q_num_blocks=full_q_count,
         full_q_indices=full_q_indices,
         BLOCK_SIZE=(FLEX_TILE, FLEX_TILE),
-        mask_mod=block_mask_mod(anchors, context_len, block_size, window, starts),
+        mask_mod=mask_mod,
     )
 
 
