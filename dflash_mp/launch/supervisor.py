@@ -195,28 +195,7 @@ def supervise(
     (run_dir / "nccl_trace").mkdir(parents=True, exist_ok=True)
     become_subreaper()
     echo_to_terminal = _Echo(job_log_path(run_dir)) if echo else None
-    command = torchrun_command(nproc, overrides, run_dir, log_dir)
-    append_job_log(run_dir, f"launching {nproc} process(es) with torchrun: {shlex.join(command)}")
-    started = time.monotonic()
-    agent = start_agent(
-        command,
-        job_environment(run_dir, job_id),
-        job_log_path(run_dir),
-        lock.fd,
-        zygote,
-    )
-    write_job_state(
-        run_dir,
-        state="running",
-        pid=os.getpid(),
-        pgid=os.getpgrp(),
-        agent_pid=agent.pid,
-        job_id=job_id,
-        host=socket.gethostname(),
-        started_at=time.time(),
-        exit_code=None,
-        summary=None,
-    )
+    agent, started = _start_torchrun(run_dir, job_id, log_dir, nproc, overrides, lock, zygote)
     monitor = JobMonitor(run_dir, agent, job_id)
     previous = {sig: signal.signal(sig, monitor.on_signal) for sig in LAUNCHER_SIGNALS}
     try:
@@ -227,15 +206,7 @@ def supervise(
                 echo_to_terminal.pump()
             time.sleep(POLL_S)
         monitor.poll()
-        leftovers = job_processes(job_id, lock.path)
-        if leftovers:
-            append_job_log(
-                run_dir, f"launcher: killing {len(leftovers)} process(es) the job left: {leftovers}"
-            )
-            kill(leftovers)
-            deadline = time.monotonic() + 5  # SIGKILL is asynchronous: let them die before the last reap
-            while any(alive(pid) for pid in leftovers) and time.monotonic() < deadline:
-                time.sleep(0.05)
+        _kill_leftovers(run_dir, job_id, lock.path)
         outcome = judge(
             run_dir,
             agent.returncode,
@@ -259,3 +230,49 @@ def supervise(
         # handler requeues the job (and the requeued sweep point resumes).
         previous[signal.SIGUSR2](signal.SIGUSR2, None)
     return outcome.exit_code
+
+
+def _start_torchrun(
+    run_dir: Path,
+    job_id: str,
+    log_dir: Path,
+    nproc: int,
+    overrides: list[str],
+    lock: RunDirLock,
+    zygote: AgentZygote | None,
+) -> tuple[Popen | ForkedAgent, float]:
+    """(torchrun's agent, the monotonic time it started), the job's state written as running."""
+    command = torchrun_command(nproc, overrides, run_dir, log_dir)
+    append_job_log(run_dir, f"launching {nproc} process(es) with torchrun: {shlex.join(command)}")
+    started = time.monotonic()
+    agent = start_agent(
+        command,
+        job_environment(run_dir, job_id),
+        job_log_path(run_dir),
+        lock.fd,
+        zygote,
+    )
+    write_job_state(
+        run_dir,
+        state="running",
+        pid=os.getpid(),
+        pgid=os.getpgrp(),
+        agent_pid=agent.pid,
+        job_id=job_id,
+        host=socket.gethostname(),
+        started_at=time.time(),
+        exit_code=None,
+        summary=None,
+    )
+    return agent, started
+
+
+def _kill_leftovers(run_dir: Path, job_id: str, lock_path: Path) -> None:
+    """Kill the job's processes still alive once torchrun has ended, and wait for them to go."""
+    leftovers = job_processes(job_id, lock_path)
+    if leftovers:
+        append_job_log(run_dir, f"launcher: killing {len(leftovers)} process(es) the job left: {leftovers}")
+        kill(leftovers)
+        deadline = time.monotonic() + 5  # SIGKILL is asynchronous: let them die before the last reap
+        while any(alive(pid) for pid in leftovers) and time.monotonic() < deadline:
+            time.sleep(0.05)
