@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import GptOssConfig, Qwen3_5TextConfig, Qwen3MoeConfig
 
-from dflash_mp.models import target_kernels
+from dflash_mp.models import target_flex_attention, target_kernels
 from dflash_mp.models.moe_experts import EXPERTS_IMPLEMENTATION
 from dflash_mp.models.target import TargetFeatureExtractor
 
@@ -80,7 +80,7 @@ def test_fast_kernels_keep_hf_hidden_states(family: str) -> None:
     ids = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(extractor(ids), expected, atol=2e-5, rtol=2e-5)
     if family == "gpt_oss":
-        assert extractor.decoder.config._attn_implementation == target_kernels.SINK_ATTENTION
+        assert extractor.decoder.config._attn_implementation == target_flex_attention.SINK_ATTENTION
         assert "sinks" in kernels["attention"]
     if "moe" in family or family == "gpt_oss":
         assert kernels["experts"] == EXPERTS_IMPLEMENTATION
@@ -141,8 +141,8 @@ def test_sink_attention_matches_hf_eager_with_large_sinks() -> None:
             keep = q_idx >= kv_idx
             return keep & (q_idx - kv_idx < sliding) if sliding else keep
 
-        block_mask = target_kernels.sink_block_mask(batch, SEQ, SEQ, mask_function=mask_mod)
-        out, _ = target_kernels.sink_attention_forward(
+        block_mask = target_flex_attention.sink_block_mask(batch, SEQ, SEQ, mask_function=mask_mod)
+        out, _ = target_flex_attention.sink_attention_forward(
             module, q, k, v, block_mask, scaling=dim**-0.5, s_aux=module.sinks
         )
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -34,7 +34,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from dflash_mp.models import linear_attention, target_graphs, target_kernels
+from dflash_mp.models import linear_attention, target_flex_attention, target_graphs
 from dflash_mp.models.packed_rows import document_positions, document_starts
 
 # Layer types whose attention takes transformers' packed-sequence masks (linear_attention: only
@@ -42,7 +42,7 @@ from dflash_mp.models.packed_rows import document_positions, document_starts
 MASKED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 # Attention implementations that apply those masks. Not flash_attention_*: transformers finds
 # packed rows there from position_ids for a batch of one row only.
-MASKED_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", target_kernels.SINK_ATTENTION})
+MASKED_ATTENTION = frozenset({"eager", "sdpa", "flex_attention", target_flex_attention.SINK_ATTENTION})
 # Modules that mix positions by what they are: torch's convolutions, recurrences and paddings, and
 # classes whose name says convolution, state space or recurrence.
 _MIXING_TORCH_MODULES = frozenset(
@@ -161,7 +161,7 @@ def documents_in_rows(
 ) -> Iterator[None]:
     """Within: `decoder`'s forward (given position_ids=rows.positions) keeps the documents apart."""
     # The sink kernel builds its block mask itself: transformers' masks stay plain for it.
-    hf_masks = getattr(decoder.config, "_attn_implementation", None) != target_kernels.SINK_ATTENTION
+    hf_masks = getattr(decoder.config, "_attn_implementation", None) != target_flex_attention.SINK_ATTENTION
     with ExitStack() as stack:
         stack.enter_context(target_graphs.packed_sequence_rows(rows, hf_masks=hf_masks))
         if hf_masks and packing.mask_module is not None:
