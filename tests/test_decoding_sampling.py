@@ -77,8 +77,9 @@ class TargetAsDrafter:
 
     @torch.inference_mode()
     def __call__(
-        self, drafter, target, features, first_token, start, size, temperature, generator, top_k, top_p
-    ):
+        self, drafter, target, features, first_token, start, size, temperature, generator, top_k, top_p,
+        before_first=None,
+    ):  # fmt: skip
         if self.last is not None:  # the block before: its first token, then what was accepted of it
             before, previous_first, proposals = self.last
             self.tokens = self.tokens[:before] + [previous_first] + proposals[: start - before - 1]
