@@ -44,11 +44,14 @@ def test_the_embedded_default_is_valid_as_dspark() -> None:
         ),
         (("model.dspark_confidence_alpha=0",), "set model.enable_confidence_head=false or an alpha > 0"),
         (("model.conv_kernel_size=3",), "model.conv_kernel_size=3 is a DFlash 2 setting"),
-        (("train.position_weights=dpace",), "use train.position_weights=decay"),
     ],
 )
 def test_bad_dspark_settings_are_named(overrides: tuple[str, ...], expected: str) -> None:
     assert expected in _problems(*overrides)
+
+
+def test_dpace_is_valid_as_dspark() -> None:
+    validate(to_dataclass(compose_config(["model.arch=dspark", "train.position_weights=dpace"])))
 
 
 def test_no_markov_head_and_a_confidence_head_of_its_own_is_valid() -> None:
@@ -71,7 +74,7 @@ def test_the_teacher_layer_is_sent_only_when_the_loss_reads_it() -> None:
     assert feature_layer_ids([1, 2], 6, to_dataclass(compose_config([])).model) == [1, 2]
 
 
-def _tiny_loss(features_width_layers: int, **fields):
+def _tiny_loss(features_width_layers: int, dpace_alpha: float | None = None, **fields):
     """A DSpark drafter's loss on one random micro-batch whose features hold that many target layers."""
     target = Qwen3Config(
         hidden_size=32,
@@ -99,7 +102,16 @@ def _tiny_loss(features_width_layers: int, **fields):
     embed, head = torch.randn(97, 32, generator=generator), torch.randn(97, 32, generator=generator)
     weights = DSparkLossWeights(ce=1.0, kl=0.0, tv=0.0 if features_width_layers == 1 else 1.0, confidence=1.0)
     loss, stats = drafter_loss(
-        drafter, embed, head, batch, seed=0, num_anchors=3, gamma=2.0, attention="sdpa", dspark=weights
+        drafter,
+        embed,
+        head,
+        batch,
+        seed=0,
+        num_anchors=3,
+        gamma=2.0,
+        attention="sdpa",
+        dspark=weights,
+        dpace_alpha=dpace_alpha,
     )
     return drafter, loss, stats
 
@@ -115,6 +127,14 @@ def test_the_loss_trains_both_heads_from_the_teacher_layer() -> None:
         assert dict(drafter.named_parameters())[name].grad.abs().sum() > 0, name
     assert stats["count"][0] > 0  # sample_from_anchor: position 0 is scored
     assert 0 < float(stats["dspark"][2]) < 1  # TV to the teacher
+
+
+def test_dpace_reaches_the_dspark_loss() -> None:
+    _, decayed, _ = _tiny_loss(2)
+    drafter, dpace, _ = _tiny_loss(2, dpace_alpha=0.5)
+    assert torch.isfinite(dpace) and not torch.allclose(dpace, decayed)
+    dpace.backward()
+    assert dict(drafter.named_parameters())["confidence_head.proj.weight"].grad.abs().sum() > 0
 
 
 def test_without_the_teacher_layer_only_the_ce_trains() -> None:

@@ -175,6 +175,56 @@ def test_confidence_bce_and_accept_metrics_equal_the_reference() -> None:
     torch.testing.assert_close(stats[10], reference["accept_len_total"], rtol=0, atol=0)
 
 
+def test_dpace_loss_equals_the_reference() -> None:
+    """train.position_weights=dpace: CE, KL and TV each weighted by D-PACE from its own values, the
+    BCE on the decay, all divided by the scored count (the reference's reduction under D-PACE too)."""
+    eager = speculators_module("losses.eager")
+    metrics = speculators_module("models.dspark.metrics")
+    hidden, teacher, head, markov, w2, mask, confidence = _loss_inputs()
+    gamma, alpha, alphas = 3.0, 0.4, DSparkLossWeights(ce=0.2, kl=0.7, tv=1.3, confidence=0.9)
+    ours_hidden = hidden.clone().requires_grad_(True)
+    reference_hidden = hidden.clone().requires_grad_(True)
+    logits = (reference_hidden @ head.T + markov @ w2.T)[None]
+    targets = (teacher @ head.T)[None]
+    reference_loss, reference = metrics.compute_metrics(
+        logits,
+        targets,
+        confidence[None],
+        mask[None],
+        BLOCK,
+        loss_config={
+            "ce": (eager.ce_loss, alphas.ce),
+            "kl_div": (eager.kl_div_loss, alphas.kl),
+            "tv": (eager.tv_loss, alphas.tv),
+        },
+        tv_loss_fn=eager.tv_loss,
+        gamma=gamma,
+        confidence_head_alpha=alphas.confidence,
+        per_position_loss_weight="dpace",
+        dpace_alpha=alpha,
+        sample_from_anchor=True,
+    )
+    terms, _ = row_terms(ours_hidden, markov, teacher, targets[0].argmax(-1), head, w2, chunk_rows=7)
+    weights = mask * torch.exp(-(torch.arange(mask.numel()) % BLOCK).float() / gamma)
+    loss, values, _ = reduce_terms(terms, confidence, weights, alphas, dpace_alpha=alpha, block_size=BLOCK)
+    count = mask.sum()
+    names = ("ce_loss_sum", "kl_div_loss_sum", "tv_loss_sum")
+    for index, name in enumerate(names):  # the sums, before the reference's count + 1e-5
+        torch.testing.assert_close(
+            values[index] * count, reference[name] * (count + 1e-5), rtol=1e-5, atol=1e-6
+        )
+    torch.testing.assert_close(
+        values[3] * count, reference["confidence_loss_sum"] * (count + 1e-8), rtol=1e-5, atol=1e-6
+    )
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=1e-6)  # up to the epsilons
+    # The D-PACE weights differ from the decay's, and carry no gradient in either.
+    decayed, _, _ = reduce_terms(terms, confidence, weights, alphas)
+    assert not torch.allclose(decayed, loss)
+    loss.backward()
+    reference_loss.backward()
+    torch.testing.assert_close(ours_hidden.grad, reference_hidden.grad, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("sample_from_anchor", [True, False])
 def test_previous_tokens_and_teacher_positions_follow_the_reference(sample_from_anchor: bool) -> None:
     utils = speculators_module("models.dflash.utils")

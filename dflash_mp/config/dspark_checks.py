@@ -79,9 +79,4 @@ def dspark_problems(cfg: Any) -> list[str]:
                 f"model.{name}={getattr(m, name)!r} is a DFlash 2 setting: DSpark (speculators and ModelOpt alike) "
                 "runs on the DFlash backbone without the convolutions; drop it, or use model.arch=dflash2"
             )
-    if getattr(cfg.train, "position_weights", "decay") != "decay":
-        problems.append(
-            f"train.position_weights={cfg.train.position_weights!r}: DSpark trains with the gamma decay only "
-            "(D-PACE is not wired into its loss yet); use train.position_weights=decay"
-        )
     return problems

@@ -96,7 +96,7 @@ def drafter_loss(
     drafter_module = getattr(drafter, "module", drafter)
     if getattr(drafter_module, "arch", "dflash") == "dspark":  # its own labels, forward and terms
         weights = dspark or DSparkLossWeights()
-        return dspark_loss(drafter, embed_weight, head_weight, batch, blocks, gamma, weights)  # type: ignore[return-value]
+        return dspark_loss(drafter, embed_weight, head_weight, batch, blocks, gamma, weights, dpace_alpha)  # type: ignore[return-value]
     # A DFlash drafter computes no row twice and none the loss does not score (block_rows.py).
     sparing = getattr(drafter_module, "skips_repeated_rows", False)
     hidden = _drafter_hidden(drafter, embed_weight, batch, blocks, sparing)

@@ -14,6 +14,10 @@ Per micro-batch, on the blocks `draft_blocks` builds (same anchors, block tokens
   + confidence_alpha * BCE(confidence logit, 1 - TV), each term sum(w * term) / sum(w) over the
   micro-batch (the DFlash loss's normalisation). 1 - TV = sum_v min(p_v, q_v) is the probability
   that rejection sampling accepts the position's draft.
+- train.position_weights=dpace (speculators 0.9.0's DSpark `compute_metrics`): each of CE, KL and
+  TV gets D-PACE weights (position_weights.py) from its own per-position value, the BCE keeps the
+  decay, and every term is divided by the count of scored positions instead (the reference's
+  reduction, as the DFlash loss under D-PACE).
 
 Vocabulary-sized work (two head matmuls, the Markov projection, the softmaxes) runs a chunk of
 rows at a time, each chunk recomputed in the backward (activation checkpointing), so at most one
@@ -33,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from dflash_mp.models.drafter import scale_logits
 from dflash_mp.models.dspark import previous_tokens
 from dflash_mp.objective.draft_blocks import block_labels, context_positions
+from dflash_mp.objective.position_weights import dpace_weights
 
 
 @dataclass(frozen=True)
@@ -136,13 +141,37 @@ def row_terms(
     return torch.cat(terms), torch.cat(correct)
 
 
+def term_weights(
+    terms: Tensor, weights: Tensor, dpace_alpha: float | None, block_size: int | None
+) -> tuple[Tensor, Tensor]:
+    """(weights [M, 3] of the row terms [M, 3], the loss's denominator) from the decay weights [M]:
+    the decay and sum(w), or (`dpace_alpha`) each term's D-PACE weights from its own values over
+    blocks of `block_size` rows and the count of scored rows (module docstring)."""
+    if dpace_alpha is None:
+        return weights[:, None].expand_as(terms), weights.sum()
+    if block_size is None:
+        raise ValueError("D-PACE weights need the block size")
+    scored = (weights > 0).view(-1, block_size)
+    per_term = [
+        dpace_weights(term.view_as(scored), scored, dpace_alpha).flatten() for term in terms.unbind(-1)
+    ]
+    return torch.stack(per_term, dim=-1), scored.sum().float()
+
+
 def reduce_terms(
-    terms: Tensor, confidence_logits: Tensor | None, weights: Tensor, alphas: DSparkLossWeights
+    terms: Tensor,
+    confidence_logits: Tensor | None,
+    weights: Tensor,
+    alphas: DSparkLossWeights,
+    dpace_alpha: float | None = None,
+    block_size: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss, the four terms [CE, KL, TV, BCE] before their weights, detached, the accept rate
-    1 - TV [M]) from row terms [M, 3], confidence logits [M] (or None) and weights [M]."""
-    denominator = weights.sum().clamp_min(torch.finfo(torch.float32).tiny)
-    ce, kl, tv = ((weights[:, None] * terms).sum(0) / denominator).unbind()
+    1 - TV [M]) from row terms [M, 3], confidence logits [M] (or None) and decay weights [M];
+    `dpace_alpha`: D-PACE weights for CE, KL and TV (`term_weights`), the BCE on the decay."""
+    row_weights, denominator = term_weights(terms, weights, dpace_alpha, block_size)
+    denominator = denominator.clamp_min(torch.finfo(torch.float32).tiny)
+    ce, kl, tv = ((row_weights * terms).sum(0) / denominator).unbind()
     accept = (1.0 - terms[:, 2].detach()).clamp(0.0, 1.0)
     bce = torch.zeros((), device=terms.device)
     if confidence_logits is not None:
@@ -188,9 +217,10 @@ def dspark_loss(
     blocks: Any,
     gamma: float,
     alphas: DSparkLossWeights,
+    dpace_alpha: float | None = None,
 ) -> tuple[Tensor, dict]:
     """The DSpark loss of one micro-batch and its stats (`drafter_loss`'s contract, plus
-    stats["dspark"], a vector of sums: `dspark_metrics_stats`)."""
+    stats["dspark"], a vector of sums: `dspark_metrics_stats`); `dpace_alpha`: D-PACE weights."""
     module = getattr(drafter, "module", drafter)
     block_size, hidden_size = module.block_size, module.config.hidden_size
     labels, weights, positions = dspark_labels(
@@ -242,7 +272,7 @@ def dspark_loss(
         module.final_logit_softcapping,
     )
     flat_weights = weights.flatten()
-    loss, term_values, accept = reduce_terms(terms, confidence, flat_weights, alphas)
+    loss, term_values, accept = reduce_terms(terms, confidence, flat_weights, alphas, dpace_alpha, block_size)
     scored = (weights > 0).reshape(-1, block_size)
     stats = {
         "correct": (correct.view(-1, block_size) & scored).sum(0),
