@@ -9,6 +9,7 @@ memory) comes from the target-families measurement instead where targets.py matc
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from dflash_mp.plan import PlanError
@@ -156,20 +157,10 @@ def stage_model(
     """Everything the layouts need, each number with its source; missing rates raise PlanError.
 
     `refused_by_plan`: widths the target's tensor-parallel plan cannot split, with why."""
+    _require_rates(bench, opts, family)
     same = _same(shape, workload, bench)
     b_shape = bench.shape if bench else shape
     b_workload = bench.workload if bench else workload
-    for given, measured, section, flag in (
-        (opts.target_ms, family or (bench and bench.target_rate), "target_only", "--target-ms"),
-        (opts.drafter_ms, bench and bench.drafter_rate, "drafter_only", "--drafter-ms"),
-    ):
-        if given is None and not measured:
-            raise (
-                bench.missing(section, flag)
-                if bench
-                else PlanError(f"no {section} rate: pass --bench or {flag}")
-            )
-
     from_family = family is not None and opts.target_ms is None
     measured_k = bench.target_parallel if bench and opts.target_ms is None and not from_family else 1
     t_ratio = target_flops_per_sample(shape, workload) / target_flops_per_sample(b_shape, b_workload)
@@ -180,52 +171,10 @@ def stage_model(
     d_ratio = drafter_flops_per_sample(shape, workload) / drafter_flops_per_sample(b_shape, b_workload)
     drafter = _rate(opts.drafter_ms, "--drafter-ms", bench and bench.drafter_rate, d_ratio, same)
 
-    def tp_factor(k: int) -> float:  # throughput of a k-wide replica relative to one GPU
-        return k * (opts.tp_efficiency if k > 1 else 1.0)
-
-    refused = {
-        k: f"{shape.heads} attention / {shape.kv_heads} KV heads do not divide by {k}"
-        for k in TP_WIDTHS
-        if shape.heads % k or shape.kv_heads % k
-    }
-    refused |= {
-        k: f"the experts' intermediate width {shape.expert_width} does not divide by {k}"
-        for k in TP_WIDTHS
-        if k not in refused and shape.expert_width % k
-    }
-    refused |= {k: why for k, why in (refused_by_plan or {}).items() if k not in refused}
-    target_rate = {}
-    # Widths up to the GPUs left beside one drafter; TP=1 always (colocated uses its rate).
-    for k in (k for k in TP_WIDTHS if k not in refused and (k == 1 or k < opts.gpus)):
-        if k == measured_k:
-            target_rate[k] = base
-        else:
-            value = base.value * tp_factor(k) / tp_factor(measured_k)
-            how = f"{k} GPUs x {opts.tp_efficiency:g} (--tp-efficiency) x the TP={measured_k} rate"
-            target_rate[k] = Number(value, "assumed", how if k > 1 else f"TP={measured_k} rate / its factor")
-
+    refused = _refused_widths(shape, refused_by_plan)
+    target_rate = _target_rates(base, measured_k, refused, opts)
     colocated = _colocated_rate(bench, same, 1 / target_rate[1].value + 1 / drafter.value)
-    if opts.pipeline_efficiency is not None:
-        efficiency = Number(opts.pipeline_efficiency, "given", "--efficiency")
-    elif bench and bench.pipeline_efficiency:
-        efficiency = Number(min(bench.pipeline_efficiency, 1.0), "measured", "pipeline / slower stage at 1+1")
-    else:
-        efficiency = Number(1.0, "assumed", "no pipeline measurement")
-
-    b_k = bench.target_parallel if bench else 1
-    target_gb = {
-        k: _family_memory(family, shape, workload, k)
-        if family is not None
-        else _memory(
-            target_weight_bytes(shape, workload, k),
-            target_activation_bytes(shape, workload, k),
-            target_weight_bytes(b_shape, b_workload, b_k),
-            target_activation_bytes(b_shape, b_workload, b_k),
-            bench.target_peak_gb if bench else None,
-            same and k == b_k,
-        )
-        for k in target_rate
-    }
+    target_gb = _target_memory(shape, workload, bench, family, same, widths=target_rate)
     drafter_gb = _memory(
         drafter_static_bytes(shape, workload),
         drafter_activation_bytes(shape, workload),
@@ -239,9 +188,93 @@ def stage_model(
         colocated_gb = Number(total, "scaled", "target (families measurement) + drafter")
     else:
         colocated_gb = _colocated_memory(shape, workload, bench, same, drafter_gb)
+    efficiency = _pipeline_efficiency(bench, opts)
     return StageModel(
         target_rate, drafter, colocated, efficiency, target_gb, drafter_gb, colocated_gb, refused
     )
+
+
+def _require_rates(bench: BenchRecord | None, opts: Options, family: FamilyMatch | None) -> None:
+    """Each stage needs a rate from a flag or a measurement; name the flag or section that gives it."""
+    for given, measured, section, flag in (
+        (opts.target_ms, family or (bench and bench.target_rate), "target_only", "--target-ms"),
+        (opts.drafter_ms, bench and bench.drafter_rate, "drafter_only", "--drafter-ms"),
+    ):
+        if given is None and not measured:
+            raise (
+                bench.missing(section, flag)
+                if bench
+                else PlanError(f"no {section} rate: pass --bench or {flag}")
+            )
+
+
+def _refused_widths(shape: ModelShape, refused_by_plan: dict[int, str] | None) -> dict[int, str]:
+    """The tensor-parallel widths the heads, the experts or the target's own plan cannot split."""
+    refused = {
+        k: f"{shape.heads} attention / {shape.kv_heads} KV heads do not divide by {k}"
+        for k in TP_WIDTHS
+        if shape.heads % k or shape.kv_heads % k
+    }
+    refused |= {
+        k: f"the experts' intermediate width {shape.expert_width} does not divide by {k}"
+        for k in TP_WIDTHS
+        if k not in refused and shape.expert_width % k
+    }
+    refused |= {k: why for k, why in (refused_by_plan or {}).items() if k not in refused}
+    return refused
+
+
+def _target_rates(base: Number, measured_k: int, refused: dict[int, str], opts: Options) -> dict[int, Number]:
+    """One replica's rate at each width left, carried from the width `base` was measured at."""
+
+    def tp_factor(k: int) -> float:  # throughput of a k-wide replica relative to one GPU
+        return k * (opts.tp_efficiency if k > 1 else 1.0)
+
+    target_rate = {}
+    # Widths up to the GPUs left beside one drafter; TP=1 always (colocated uses its rate).
+    for k in (k for k in TP_WIDTHS if k not in refused and (k == 1 or k < opts.gpus)):
+        if k == measured_k:
+            target_rate[k] = base
+        else:
+            value = base.value * tp_factor(k) / tp_factor(measured_k)
+            how = f"{k} GPUs x {opts.tp_efficiency:g} (--tp-efficiency) x the TP={measured_k} rate"
+            target_rate[k] = Number(value, "assumed", how if k > 1 else f"TP={measured_k} rate / its factor")
+    return target_rate
+
+
+def _target_memory(
+    shape: ModelShape,
+    workload: Workload,
+    bench: BenchRecord | None,
+    family: FamilyMatch | None,
+    same: bool,
+    widths: Iterable[int],
+) -> dict[int, Number]:
+    """One target rank's GB at each width: from the families measurement, else from the benchmark."""
+    b_shape = bench.shape if bench else shape
+    b_workload = bench.workload if bench else workload
+    b_k = bench.target_parallel if bench else 1
+    return {
+        k: _family_memory(family, shape, workload, k)
+        if family is not None
+        else _memory(
+            target_weight_bytes(shape, workload, k),
+            target_activation_bytes(shape, workload, k),
+            target_weight_bytes(b_shape, b_workload, b_k),
+            target_activation_bytes(b_shape, b_workload, b_k),
+            bench.target_peak_gb if bench else None,
+            same and k == b_k,
+        )
+        for k in widths
+    }
+
+
+def _pipeline_efficiency(bench: BenchRecord | None, opts: Options) -> Number:
+    if opts.pipeline_efficiency is not None:
+        return Number(opts.pipeline_efficiency, "given", "--efficiency")
+    if bench and bench.pipeline_efficiency:
+        return Number(min(bench.pipeline_efficiency, 1.0), "measured", "pipeline / slower stage at 1+1")
+    return Number(1.0, "assumed", "no pipeline measurement")
 
 
 def _colocated_rate(bench: BenchRecord | None, same: bool, stage_time: float) -> Number:
