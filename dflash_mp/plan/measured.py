@@ -85,77 +85,43 @@ def _role_rank(roles: dict[str, str], role: str) -> str:
     return next((rank for rank, played in roles.items() if role in played.split("+")), "0")
 
 
-def read_bench(path: str | Path) -> BenchRecord:
-    """Parse a benchmark JSON; a file that is missing, not JSON or not the benchmark's is refused."""
-    path = Path(path)
+def _read_json(path: Path, flag: str, schema: str, producer: str, how_to_write: str) -> dict[str, Any]:
+    """A benchmark's JSON; a file that is missing, not JSON or not `producer`'s is refused."""
     if not path.is_file():
-        raise PlanError(f"--bench {path}: no such file; write one with `make bench` (see BENCHMARKS.md)")
+        raise PlanError(f"{flag} {path}: no such file; write one with {how_to_write}")
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanError(f"--bench {path}: not JSON ({e})") from e
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise PlanError(f"{flag} {path}: not JSON ({e})") from e
+    if not isinstance(data, dict) or data.get("schema") != schema:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise PlanError(
-            f"--bench {path}: not a bench/bench.py result (schema {found!r}, expected {SCHEMA!r})"
-        )
+        raise PlanError(f"{flag} {path}: not a {producer} result (schema {found!r}, expected {schema!r})")
+    return data
+
+
+def read_bench(path: str | Path) -> BenchRecord:
+    """Parse a benchmark JSON; a file that is missing, not JSON or not the benchmark's is refused."""
+    path = Path(path)
+    data = _read_json(path, "--bench", SCHEMA, "bench/bench.py", "`make bench` (see BENCHMARKS.md)")
     try:
         shape_json, setup, sections = data["shape"], data["setup"], data["sections"]
-        shape = ModelShape(
-            hidden=shape_json["hidden"],
-            layers=shape_json["layers"],
-            heads=shape_json["heads"],
-            kv_heads=shape_json["kv_heads"],
-            head_dim=shape_json["head_dim"],
-            intermediate=shape_json["intermediate"],
-            vocab=shape_json["vocab"],
-            name=f"{shape_json.get('name', 'bench')} (benchmark shape)",
-        )
-        workload = Workload(
-            seq_len=shape_json["seq_len"],
-            num_anchors=shape_json["num_anchors"],
-            block_size=shape_json["block_size"],
-            draft_layers=shape_json["draft_layers"],
-            micro_batch=setup.get("micro_batch", 1),
-        )
+        shape, workload = _bench_shape(shape_json, setup)
     except (KeyError, TypeError) as e:
         raise PlanError(f"--bench {path}: lacks the benchmark's shape/setup/sections ({e!r} missing)") from e
 
     world_size = int(setup.get("world_size", 2))
-    roles = setup.get("roles") or {"0": "target", "1": "drafter"}
-    target_rank, drafter_rank = _role_rank(roles, "target"), _role_rank(roles, "drafter")
     target_rate = (_ok(sections, "target_only") or {}).get("samples_per_s")
     drafter_rate = (_ok(sections, "drafter_only") or {}).get("samples_per_s")
-    pipeline_rate = (_ok(sections, "pipeline") or {}).get("samples_per_s")
-    # The benchmark records it against the layout's stage capacities (all replicas, all drafters);
-    # JSONs without it were 1 + 1, where that is the slower of the two rates.
-    efficiency = (_ok(sections, "pipeline") or {}).get("efficiency")
-    if efficiency is None and pipeline_rate and target_rate and drafter_rate:
-        efficiency = pipeline_rate / min(target_rate, drafter_rate)
     # Each colocated rank reports its own rate, which is the rate per GPU.
     colocated_ranks = (_ok(sections, "colocated") or {}).get("per_rank", {})
     colocated_rates = [r["samples_per_s"] for r in colocated_ranks.values() if r.get("samples_per_s")]
     colocated_rate = sum(colocated_rates) / len(colocated_rates) if colocated_rates else None
-
-    on_gpu = setup.get("device") == "cuda"
     target_peak = drafter_peak = colocated_peak = None
-    if on_gpu:
+    if setup.get("device") == "cuda":
         colocated_peaks = [_peak_gb(sections, "colocated", rank) for rank in colocated_ranks]
         colocated_peak = max((p for p in colocated_peaks if p), default=None)
-        if world_size == 1:
-            # One process held both models: its drafter peak includes the target's weights, and its
-            # target peak the drafter's training state (which depends on the section order): the
-            # former is subtracted, the latter is not used.
-            peak = _peak_gb(sections, "drafter_only", "0")
-            if peak:
-                drafter_peak = peak - target_weight_bytes(shape, workload) / 1e9
-        else:
-            target_peak = _peak_gb(sections, "pipeline", target_rank) or _peak_gb(
-                sections, "target_only", target_rank
-            )
-            drafter_peak = _peak_gb(sections, "pipeline", drafter_rank) or _peak_gb(
-                sections, "drafter_only", drafter_rank
-            )
+        roles = setup.get("roles") or {"0": "target", "1": "drafter"}
+        target_peak, drafter_peak = _stage_peaks(sections, roles, world_size, shape, workload)
     return BenchRecord(
         path=str(path),
         shape=shape,
@@ -168,12 +134,66 @@ def read_bench(path: str | Path) -> BenchRecord:
         target_mfu=(_ok(sections, "target_only") or {}).get("mfu"),
         drafter_rate=drafter_rate,
         colocated_rate_per_gpu=colocated_rate,
-        pipeline_efficiency=efficiency,
+        pipeline_efficiency=_pipeline_efficiency(sections, target_rate, drafter_rate),
         target_peak_gb=target_peak,
         drafter_peak_gb=drafter_peak,
         colocated_peak_gb=colocated_peak,
         sections=sections,
     )
+
+
+def _bench_shape(shape_json: dict[str, Any], setup: dict[str, Any]) -> tuple[ModelShape, Workload]:
+    shape = ModelShape(
+        hidden=shape_json["hidden"],
+        layers=shape_json["layers"],
+        heads=shape_json["heads"],
+        kv_heads=shape_json["kv_heads"],
+        head_dim=shape_json["head_dim"],
+        intermediate=shape_json["intermediate"],
+        vocab=shape_json["vocab"],
+        name=f"{shape_json.get('name', 'bench')} (benchmark shape)",
+    )
+    workload = Workload(
+        seq_len=shape_json["seq_len"],
+        num_anchors=shape_json["num_anchors"],
+        block_size=shape_json["block_size"],
+        draft_layers=shape_json["draft_layers"],
+        micro_batch=setup.get("micro_batch", 1),
+    )
+    return shape, workload
+
+
+def _pipeline_efficiency(
+    sections: dict[str, Any], target_rate: float | None, drafter_rate: float | None
+) -> float | None:
+    # The benchmark records it against the layout's stage capacities (all replicas, all drafters);
+    # JSONs without it were 1 + 1, where that is the slower of the two rates.
+    pipeline = _ok(sections, "pipeline") or {}
+    efficiency = pipeline.get("efficiency")
+    pipeline_rate = pipeline.get("samples_per_s")
+    if efficiency is None and pipeline_rate and target_rate and drafter_rate:
+        efficiency = pipeline_rate / min(target_rate, drafter_rate)
+    return efficiency
+
+
+def _stage_peaks(
+    sections: dict[str, Any], roles: dict[str, str], world_size: int, shape: ModelShape, workload: Workload
+) -> tuple[float | None, float | None]:
+    """The target rank's and the drafter rank's peak GB of a GPU run (None where not measured)."""
+    if world_size == 1:
+        # One process held both models: its drafter peak includes the target's weights, and its
+        # target peak the drafter's training state (which depends on the section order): the
+        # former is subtracted, the latter is not used.
+        peak = _peak_gb(sections, "drafter_only", "0")
+        return None, (peak - target_weight_bytes(shape, workload) / 1e9 if peak else None)
+    target_rank, drafter_rank = _role_rank(roles, "target"), _role_rank(roles, "drafter")
+    target_peak = _peak_gb(sections, "pipeline", target_rank) or _peak_gb(
+        sections, "target_only", target_rank
+    )
+    drafter_peak = _peak_gb(sections, "pipeline", drafter_rank) or _peak_gb(
+        sections, "drafter_only", drafter_rank
+    )
+    return target_peak, drafter_peak
 
 
 FAMILIES_SCHEMA = "dflash_mp.bench.target_families/1"
@@ -206,20 +226,8 @@ class FamilyRecord:
 def read_families(path: str | Path) -> dict[str, FamilyRecord]:
     """The measured entries of a target-families JSON (failed or skipped ones left out)."""
     path = Path(path)
-    if not path.is_file():
-        raise PlanError(
-            f"--families {path}: no such file; write one with `python bench/target_families.py` (BENCHMARKS.md)"
-        )
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanError(f"--families {path}: not JSON ({e})") from e
-    if not isinstance(data, dict) or data.get("schema") != FAMILIES_SCHEMA:
-        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise PlanError(
-            f"--families {path}: not a bench/target_families.py result (schema {found!r}, "
-            f"expected {FAMILIES_SCHEMA!r})"
-        )
+    write_it = "`python bench/target_families.py` (BENCHMARKS.md)"
+    data = _read_json(path, "--families", FAMILIES_SCHEMA, "bench/target_families.py", write_it)
     shown = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else str(path)
     records = {}
     for entry, shape in (data.get("shapes") or {}).items():
