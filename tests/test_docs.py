@@ -127,3 +127,10 @@ def test_every_make_target_the_readme_names_exists() -> None:
         named |= set(re.findall(r"(?<![\w-])make ([a-z][a-z_-]*)", "\n".join(_code_spans(_text(doc)))))
     assert named, "the README names no make target"
     assert named <= targets, f"docs name make targets the Makefile lacks: {sorted(named - targets)}"
+
+
+def test_every_benchmark_result_is_cited_by_a_doc() -> None:
+    """A JSON in bench/results that no page names is a number nobody can find (or a stale one)."""
+    text = "\n".join(page.read_text() for page in DOCS)
+    uncited = [p.name for p in sorted((REPO / "bench" / "results").iterdir()) if p.name not in text]
+    assert not uncited, f"cite these in BENCHMARKS.md (or delete them if superseded): {uncited}"
