@@ -32,37 +32,13 @@ def early_tokens(early: list) -> int:
 
 def run(bench: BenchState) -> dict:
     args = bench.args
-    if "drafter" in bench.roles:  # the drafter-only objects make room for this process's colocated pair
-        bench.trainer = bench.features = None
-    if bench.mesh is not None:  # a share of a tensor-parallel replica: colocated needs the whole target
-        bench.extractor = None
-    gc.collect()
-    if bench.device.type == "cuda":
-        torch.cuda.empty_cache()
+    _make_room(bench)
     start = time.perf_counter()
-    if bench.extractor is None:
-        bench.extractor = random_target(
-            bench.shape,
-            bench.dtype,
-            bench.device,
-            seed=bench.args.seed + 10,
-            compile_layers=bench.compiled,
-            packed_rows=bench.args.data == "chat-packed",
-            layer_ids=bench.feature_layer_ids,
-        )
-    # DDP over every rank; on 1 rank no group, so no DDP.
-    trainer = bench.new_trainer(group=None if bench.single else dist.group.WORLD)
+    trainer = _build_pair(bench)
     build_s = time.perf_counter() - start
     watch = CompileWatch()
     step_s, records, first_step_s, t0 = [], [], 0.0, 0.0
     start = prev = time.perf_counter()
-
-    def micro_batch(i: int, micro: int):
-        m = (i * bench.world + bench.rank) * bench.A + micro
-        batch = batch_to(bench.reader.read(m), bench.device)
-        return features_of(
-            batch, hidden_states_for_drafter(bench.extractor, batch, bench.dtype, bench.device)
-        )
 
     # As dflash_mp.runtime.colocated: the next step's first micro-batch goes through the target and is
     # prepared while the device runs the update.
@@ -75,10 +51,12 @@ def run(bench: BenchState) -> dict:
             # What the reader has read by now: warm-up steps, and the step prepared early.
             tokens_before = bench.reader.tokens_read - early_tokens(early)
         for micro in range(bench.A):
-            batch = early.pop() if early else micro_batch(i, micro)
+            batch = early.pop() if early else _micro_batch(bench, i, micro)
             trainer.micro_step(batch, last_of_step=micro == bench.A - 1)
         record = trainer.optimizer_step(
-            while_waiting=lambda i=i, trainer=trainer: early.append(trainer.prepare(micro_batch(i + 1, 0)))
+            while_waiting=lambda i=i, trainer=trainer: early.append(
+                trainer.prepare(_micro_batch(bench, i + 1, 0))
+            )
         )
         now = time.perf_counter()
         if i == 0:
@@ -114,3 +92,37 @@ def run(bench: BenchState) -> dict:
         "steps": args.colocated_iters,
         "warmup": args.warmup,
     }
+
+
+def _make_room(bench: BenchState) -> None:
+    """Free what this process's earlier roles built and colocated cannot use."""
+    if "drafter" in bench.roles:  # the drafter-only objects make room for this process's colocated pair
+        bench.trainer = bench.features = None
+    if bench.mesh is not None:  # a share of a tensor-parallel replica: colocated needs the whole target
+        bench.extractor = None
+    gc.collect()
+    if bench.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _build_pair(bench: BenchState):
+    """This process's whole target (built unless it holds one already) and a drafter trainer."""
+    if bench.extractor is None:
+        bench.extractor = random_target(
+            bench.shape,
+            bench.dtype,
+            bench.device,
+            seed=bench.args.seed + 10,
+            compile_layers=bench.compiled,
+            packed_rows=bench.args.data == "chat-packed",
+            layer_ids=bench.feature_layer_ids,
+        )
+    # DDP over every rank; on 1 rank no group, so no DDP.
+    return bench.new_trainer(group=None if bench.single else dist.group.WORLD)
+
+
+def _micro_batch(bench: BenchState, i: int, micro: int):
+    """Step i's micro-batch `micro` of this rank, through the target: the order colocated reads in."""
+    m = (i * bench.world + bench.rank) * bench.A + micro
+    batch = batch_to(bench.reader.read(m), bench.device)
+    return features_of(batch, hidden_states_for_drafter(bench.extractor, batch, bench.dtype, bench.device))
