@@ -4,21 +4,26 @@ The config.json must parse as speculators' `DSparkSpeculatorConfig` with our fie
 be exactly the tensors speculators' `DSparkDraftModel` saves (its state dict without the keys it
 leaves out of a full-vocabulary checkpoint) and load into it with strict key and shape checks, and
 the loaded reference must compute our Markov bias and confidence logits. The export also reads back
-into our drafter unchanged (eval of an export).
+into our drafter unchanged (eval of an export). Its `verifier` is the run's target, as the XPress
+export's.
 """
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import Qwen3Config
 
+from dflash_mp.export import cli
 from dflash_mp.export.hf import CONFIG_NAME, WEIGHTS_NAME, export_drafter, load_exported_drafter
+from dflash_mp.export.speculators_format import run_verifier
 from dflash_mp.models.drafter import DFlashDrafter
 from dflash_mp.models.drafter_config import build_drafter_config
+from dflash_mp.runtime.job import finish
 from tests.speculators_reference import speculators_module
 
 TARGET = Qwen3Config(
@@ -97,3 +102,40 @@ def test_a_scaled_target_is_refused_by_the_speculators_export(tmp_path) -> None:
     with pytest.raises(ValueError, match="output_multiplier"):
         export_drafter(DFlashDrafter(config), tmp_path / "export")
     assert not (tmp_path / "export").exists()
+
+
+def _run_dir(tmp_path):
+    """A run directory whose config.yaml names a target directory with its config.json."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(f"model:\n  target_path: {target}\n")
+    return run_dir, {"name_or_path": str(target), "architectures": ["Qwen3ForCausalLM"]}
+
+
+def _verifier_of(export_dir):
+    core = speculators_module("models.dspark.core")
+    config_json = json.loads((export_dir / CONFIG_NAME).read_text())
+    verifier = core.DSparkSpeculatorConfig.from_dict(config_json).speculators_config.verifier
+    assert verifier.name_or_path == config_json["speculators_config"]["verifier"]["name_or_path"]
+    return config_json["speculators_config"]["verifier"]
+
+
+def test_the_export_names_the_run_target_as_its_verifier(tmp_path, monkeypatch) -> None:
+    """As the XPress export does (speculators_format.run_verifier): the CLI's and the job's export."""
+    run_dir, expected = _run_dir(tmp_path)
+    assert run_verifier(run_dir) == expected
+    drafter = _drafter("vanilla")
+    monkeypatch.setattr(cli, "drafter_from_checkpoint", lambda *args, **kwargs: drafter)
+    assert cli.main([str(run_dir), "--dtype", "float32"]) == 0
+    assert _verifier_of(run_dir / "export") == expected
+    cfg = SimpleNamespace(
+        logger=SimpleNamespace(plots=False),
+        train=SimpleNamespace(export=True),
+        model=SimpleNamespace(target_path=expected["name_or_path"]),
+    )
+    (run_dir / "export" / CONFIG_NAME).unlink()
+    finish(cfg, run_dir, SimpleNamespace(drafter=drafter, step=0))
+    assert _verifier_of(run_dir / "export") == expected

@@ -50,7 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"dflash_mp.export: {e}", file=sys.stderr)
             return 2
         return 0
-    out_dir = export_drafter(drafter, args.out or args.run_dir / "export", dtype=dtype)
+    verifier = None
+    if drafter.arch == "dspark":  # speculators' format names the target (its verifier)
+        from dflash_mp.export.speculators_format import run_verifier
+
+        verifier = run_verifier(args.run_dir)
+    out_dir = export_drafter(drafter, args.out or args.run_dir / "export", dtype=dtype, verifier=verifier)
     print(out_dir)
     if note := vllm_path_note(out_dir):
         print(note, file=sys.stderr)

@@ -59,11 +59,15 @@ def _config_json(drafter: DFlashDrafter, dtype: torch.dtype) -> str:
 
 
 def export_drafter(
-    drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = torch.bfloat16
+    drafter: DFlashDrafter,
+    out_dir: str | Path,
+    dtype: torch.dtype | None = torch.bfloat16,
+    verifier: dict | None = None,
 ) -> Path:
     """Write the drafter to `out_dir` in HF format, replacing any previous export only once complete.
 
     `dtype` None keeps the parameters' own dtype. Pass the unwrapped module (not DDP / compiled).
+    `verifier`: a DSpark export's target (speculators_format.target_verifier); None writes it null.
     """
     out_dir = Path(out_dir).resolve()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -77,7 +81,9 @@ def export_drafter(
         files = [staging / CONFIG_NAME, staging / WEIGHTS_NAME]
         if drafter.arch == "dspark":  # speculators' format, which vLLM serves (dspark_export.py)
             dtype_name = str(saved_dtype).removeprefix("torch.")
-            (staging / CONFIG_NAME).write_text(dspark_export.dspark_config_json(drafter, dtype_name))
+            (staging / CONFIG_NAME).write_text(
+                dspark_export.dspark_config_json(drafter, dtype_name, verifier)
+            )
         else:
             (staging / CONFIG_NAME).write_text(_config_json(drafter, saved_dtype))
             shutil.copyfile(modeling_dflash.__file__, staging / MODELING_NAME)

@@ -98,16 +98,30 @@ def export_speculators(
     return out_dir
 
 
+def target_verifier(target_path: str) -> dict[str, Any]:
+    """speculators' `verifier` for a run's target (model.target_path): its path and the
+    architectures of its config.json. The XPress and DSpark exports fill their config with it."""
+    target_config = json.loads((Path(target_path) / "config.json").read_text())
+    return {"name_or_path": str(target_path), "architectures": list(target_config.get("architectures") or [])}
+
+
+def run_verifier(run_dir: str | Path) -> dict[str, Any]:
+    """`target_verifier` of the target in RUN_DIR/config.yaml."""
+    from omegaconf import OmegaConf
+
+    return target_verifier(str(OmegaConf.load(Path(run_dir) / "config.yaml").model.target_path))
+
+
 def export_run_speculators(
     drafter: DFlashDrafter, run_dir: Path, out_dir: Path | None, dtype: torch.dtype
 ) -> Path:
     """`export_speculators` of a run's drafter to `out_dir` (default RUN_DIR/export-speculators), the
     verifier being the run's model.target_path with its config.json's architectures."""
-    from omegaconf import OmegaConf
-
-    target = str(OmegaConf.load(Path(run_dir) / "config.yaml").model.target_path)
-    target_config = json.loads((Path(target) / "config.json").read_text())
-    architectures = list(target_config.get("architectures") or [])
+    verifier = run_verifier(run_dir)
     return export_speculators(
-        drafter, out_dir or Path(run_dir) / "export-speculators", target, architectures, dtype
+        drafter,
+        out_dir or Path(run_dir) / "export-speculators",
+        verifier["name_or_path"],
+        verifier["architectures"],
+        dtype,
     )

@@ -172,8 +172,11 @@ def finish(cfg: RootConfig, run_dir: Path, trainer: DrafterTrainer) -> None:
     if cfg.train.export:
         watchdog.beat("export", trainer.step)
         from dflash_mp.export.hf import export_drafter  # transformers' modeling stack: only when exporting
+        from dflash_mp.export.speculators_format import target_verifier
 
-        path = export_drafter(trainer.drafter, run_dir / "export")
+        dspark = trainer.drafter.arch == "dspark"  # speculators' format names the target
+        verifier = target_verifier(cfg.model.target_path) if dspark else None
+        path = export_drafter(trainer.drafter, run_dir / "export", verifier=verifier)
         get_logger().info("exported the drafter to %s", path)
 
 
