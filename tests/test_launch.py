@@ -441,3 +441,11 @@ def test_stop_says_nothing_runs_when_the_supervisor_died_alone(tmp_path, capsys)
     out = capsys.readouterr().out
     assert f"nothing of the job is running: its supervisor (pid {dead.pid}) is gone" in out, out
     assert "(running)" not in out and "failed: exit code 1" in out
+
+
+def test_the_launcher_and_its_preflight_import_no_torch() -> None:
+    """`python -m dflash_mp.launch status|stop|start` and the launcher's preflight: each import of
+    torch costs every job's launcher about a CPU-second (a config check reaching a model module)."""
+    code = "import sys, dflash_mp.launch.__main__; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"], out.stderr[-2000:]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from dflash_mp.models.dspark import DSPARK_FIELDS, MARKOV_HEAD_TYPES
+from dflash_mp.models.dspark_fields import DSPARK_FIELDS, MARKOV_HEAD_TYPES
 
 ALPHAS = ("dspark_ce_alpha", "dspark_kl_alpha", "dspark_tv_alpha", "dspark_confidence_alpha")
 

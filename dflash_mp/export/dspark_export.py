@@ -19,7 +19,7 @@ from typing import Any
 from transformers import Qwen3Config
 
 from dflash_mp.models.drafter_config import SCALING_DEFAULTS
-from dflash_mp.models.dspark import DSPARK_FIELDS
+from dflash_mp.models.dspark_fields import DSPARK_FIELDS
 
 SPECULATORS_VERSION = "0.9.0"
 # Drafter config keys that are this project's, not a Qwen3 layer's (they travel as DSpark fields).

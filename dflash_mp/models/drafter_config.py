@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import PretrainedConfig, Qwen3Config
 
-from dflash_mp.models.dspark import DSPARK_DEFAULTS, DSPARK_FIELDS, dspark_field_problems
+from dflash_mp.models.dspark_fields import DSPARK_DEFAULTS, DSPARK_FIELDS, dspark_field_problems
 from dflash_mp.models.qwen3_layers import rotary_embedding
 from dflash_mp.models.target_fields import REQUIRED_TARGET_FIELDS, with_standard_names
 

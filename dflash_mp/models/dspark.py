@@ -20,38 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
-# dflash_config fields of a DSpark drafter, with speculators' DSparkSpeculatorConfig defaults.
-DSPARK_DEFAULTS: dict[str, Any] = {
-    "markov_rank": 256,
-    "markov_head_type": "vanilla",
-    "enable_confidence_head": True,
-    "confidence_head_with_markov": True,
-    "sample_from_anchor": True,
-}
-DSPARK_FIELDS = tuple(DSPARK_DEFAULTS)
-
-
-def dspark_field_problems(fields: dict[str, Any]) -> list[str]:
-    """What is wrong with a DSpark drafter's fields (`DSPARK_FIELDS`), one sentence each."""
-    problems = []
-    rank = fields.get("markov_rank")
-    if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0):
-        problems.append(f"markov_rank must be an integer >= 0 (0: no Markov head), got {rank!r}")
-    if fields.get("markov_head_type") not in MARKOV_HEAD_TYPES:
-        problems.append(
-            f"markov_head_type must be one of {MARKOV_HEAD_TYPES}, got {fields.get('markov_head_type')!r}"
-        )
-    for key in ("enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor"):
-        if not isinstance(fields.get(key), bool):
-            problems.append(f"{key} must be true or false, got {fields.get(key)!r}")
-    with_markov = fields.get("enable_confidence_head") and fields.get("confidence_head_with_markov")
-    if with_markov and rank == 0:
-        problems.append(
-            "confidence_head_with_markov needs the Markov head's embedding: markov_rank > 0, "
-            "or confidence_head_with_markov=false"
-        )
-    return problems
+from dflash_mp.models.dspark_fields import MARKOV_HEAD_TYPES
 
 
 class MarkovHead(nn.Module):
