@@ -1,5 +1,7 @@
 """A DSpark drafter's config fields (`dflash_config`), their defaults and checks: torch-free, so the
-launcher's preflight (config/dspark_checks.py) reads them without importing the heads (dspark.py)."""
+launcher's preflight (config/dspark_checks.py) reads them without importing the heads (dspark.py).
+Also the rows per chunk of its loss's vocabulary-sized work (objective/dspark_loss.py `row_terms`),
+which the memory model (plan/memory_heads.py) predicts from."""
 
 from __future__ import annotations
 
@@ -37,3 +39,13 @@ def dspark_field_problems(fields: dict[str, Any]) -> list[str]:
             "or confidence_head_with_markov=false"
         )
     return problems
+
+
+# One chunk's [rows, V] fp32 tensor stays under this many elements (256 MiB), and under this many rows.
+DSPARK_CHUNK_ELEMENTS = 1 << 26
+DSPARK_CHUNK_MAX_ROWS = 1024
+
+
+def dspark_chunk_rows(vocab: int) -> int:
+    """Rows of one chunk of DSpark's row terms at vocabulary size `vocab`."""
+    return min(DSPARK_CHUNK_MAX_ROWS, max(1, DSPARK_CHUNK_ELEMENTS // vocab))

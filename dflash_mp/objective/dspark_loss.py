@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_mp.models.drafter import scale_logits
 from dflash_mp.models.dspark import previous_tokens
+from dflash_mp.models.dspark_fields import dspark_chunk_rows
 from dflash_mp.objective.draft_blocks import block_labels, context_positions
 from dflash_mp.objective.position_weights import dpace_weights
 
@@ -117,8 +118,7 @@ def row_terms(
     chunk_rows: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """`_row_terms` over rows [M, ...] a chunk at a time, each chunk recomputed in the backward."""
-    vocab = head.shape[0]
-    chunk_rows = chunk_rows or min(1024, max(1, (1 << 28) // vocab // 4))
+    chunk_rows = chunk_rows or dspark_chunk_rows(head.shape[0])
     terms, correct = [], []
     for start in range(0, hidden.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from dflash_mp.plan.costs import ModelShape, layer_params, target_layer_params
+from dflash_mp.plan.memory_heads import head_parameters, loss_rows, vocabulary_work
 
 GIB = 2**30
 BF16, FP32 = 2, 4
@@ -58,11 +59,20 @@ class Constants:
     backward_hidden: float = 2.0
     backward_mlp: float = 2.0
     backward_kv: float = 2.0
-    # The loss: per scored row (anchors x (block size - 1)) the final hidden state and the gradient
-    # the chunked CE writes for it, fp32; one chunk of logits at a time (objective/block_diffusion.py).
+    # The loss: per scored row (anchors x (block size - 1); every block row for DSpark and XPress)
+    # the final hidden state and the gradient the chunked CE writes for it, fp32; one chunk of
+    # logits at a time (objective/lm_head_loss.py). Per arch: memory_heads.py.
     loss_row_bytes_per_hidden: float = 8.0
     lm_head_chunk_rows: int = 2048
     lm_head_bytes_per_logit: float = 4.0
+    # DSpark: fp32 copies of one chunk's [rows, V] (objective/dspark_loss.py row_terms): the draft's
+    # logits, log-softmax and softmax and the teacher's softmax, then the recomputed chunk's
+    # gradients in the backward. XPress: per pass, the fp32 log-softmax its CE keeps, per row and
+    # vocabulary entry, and beside them one pass's backward and the base logits' gradient. Counted
+    # from the code, not yet fitted to a measured peak.
+    dspark_chunk_copies: float = 6.0
+    xpress_pass_bytes: float = 4.0
+    xpress_transient_bytes: float = 12.0
     # Features [S, K x hidden] in bf16: on a drafter rank the micro-batch trained on and the next,
     # being received; on a colocated rank the one trained on; on a target rank the sends in flight
     # (topology.max_inflight_sends) besides the forward's own.
@@ -104,6 +114,14 @@ class TrainingShape:
     conv_kernel_size: int = 2  # DFlash 2's convolutions and selector
     conv_group_size: int = 16
     selector_rank: int = 256
+    markov_rank: int = 256  # DSpark's heads and XPress's refiner (memory_heads.py)
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    xpress_rank: int = 256
+    xpress_mlp_ratio: int = 2
+    xpress_passes: int = 5  # passes whose logits XPress's loss keeps (memory_heads.xpress_ce_passes)
+    teacher_layer: bool = False  # DSpark: the last of the feature layers is the teacher's, not fc's input
     target_mlp_width: int = 0  # one token's MLP activations in the target (0: the dense width)
     target_parallel: int = 1
     max_inflight_sends: int = 2
@@ -185,16 +203,19 @@ def _widths(s: ModelShape) -> tuple[int, int, int, int]:
 
 
 def drafter_parameters(t: TrainingShape) -> tuple[int, int]:
-    """(matmul parameters, which get bf16 working copies; fp32 parameters: norms, DFlash 2's modules)."""
+    """(matmul parameters, which get bf16 working copies; fp32 parameters: norms, DFlash 2's modules,
+    DSpark's heads, XPress's refiner)."""
     s, h = t.target, t.target.hidden
     norms_per_layer = 2 * h + 2 * s.head_dim
-    matmul = t.draft_layers * (layer_params(s) - norms_per_layer) + t.feature_layers * h * h
+    matmul = (
+        t.draft_layers * (layer_params(s) - norms_per_layer) + (t.feature_layers - t.teacher_layer) * h * h
+    )
     fp32 = t.draft_layers * norms_per_layer + 2 * h
     if t.arch == "dflash2":
         groups = h // t.conv_group_size
         conv = 2 * t.conv_kernel_size * h + h * 2 * t.conv_kernel_size * groups
         fp32 += t.draft_layers * 2 * conv + 2 * s.vocab * t.selector_rank + h * t.selector_rank
-    return matmul, fp32
+    return matmul, fp32 + head_parameters(t)
 
 
 def block_tokens(t: TrainingShape) -> int:
@@ -316,8 +337,7 @@ def drafter_step(t: TrainingShape, c: Constants, feature_copies: float) -> list[
         )
     backward = BF16 * tokens * (c.backward_hidden * h + c.backward_mlp * mlp)
     backward += BF16 * (tokens + context) * c.backward_kv * kv
-    scored = t.micro_batch * t.num_anchors * (t.block_size - 1)
-    chunk = min(c.lm_head_chunk_rows, scored) * t.target.vocab * c.lm_head_bytes_per_logit
+    rows, rows_formula = loss_rows(t)
     return [
         Term("features", feature_copies * feature_bytes(t), f"{feature_copies:g} x bf16 B*S*K*H"),
         Term(
@@ -329,14 +349,10 @@ def drafter_step(t: TrainingShape, c: Constants, feature_copies: float) -> list[
         Term("one layer's backward", backward, "bf16 N*Bs x (H, MLP) + (S + N*Bs) x kv gradients"),
         Term(
             "loss rows",
-            scored * h * c.loss_row_bytes_per_hidden,
-            f"N*(Bs-1) x H x {c.loss_row_bytes_per_hidden:g} B",
+            rows * h * c.loss_row_bytes_per_hidden,
+            f"{rows_formula} x H x {c.loss_row_bytes_per_hidden:g} B",
         ),
-        Term(
-            "LM-head chunk",
-            chunk,
-            f"min({c.lm_head_chunk_rows}, N*(Bs-1)) x V x {c.lm_head_bytes_per_logit:g} B",
-        ),
+        Term(*vocabulary_work(t, c)),
     ]
 
 

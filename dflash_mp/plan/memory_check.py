@@ -24,6 +24,7 @@ from dflash_mp.plan.memory import (
     target_weights,
     with_checkpointing,
 )
+from dflash_mp.plan.memory_heads import xpress_ce_passes
 
 GPU_MEMORY_ENV = "DFLASH_MP_GPU_MEMORY_GIB"
 
@@ -38,7 +39,8 @@ def training_shape(cfg: RootConfig, target_config: dict, world_size: int | None 
     m, d, t, tr = cfg.model, cfg.data, cfg.topology, cfg.train
     shape = shape_from_hf_config(target_config, str(target_config.get("_name_or_path") or m.target_path))
     # DSpark's teacher layer: the whole target runs and its last layer travels too (dspark_checks.py).
-    layer_ids = feature_layer_ids(resolved_target_layer_ids(cfg, shape.layers), shape.layers, m)
+    drafter_ids = resolved_target_layer_ids(cfg, shape.layers)
+    layer_ids = feature_layer_ids(drafter_ids, shape.layers, m)
     experts_per_token = int(target_config.get("num_experts_per_tok") or 1)
     colocated = t.layout == "colocated"
     return TrainingShape(
@@ -57,6 +59,16 @@ def training_shape(cfg: RootConfig, target_config: dict, world_size: int | None 
         conv_kernel_size=m.conv_kernel_size,
         conv_group_size=m.conv_group_size,
         selector_rank=m.selector_rank,
+        markov_rank=m.markov_rank,
+        markov_head_type=m.markov_head_type,
+        confidence_head=m.enable_confidence_head,
+        confidence_head_with_markov=m.confidence_head_with_markov,
+        xpress_rank=m.xpress_rank,
+        xpress_mlp_ratio=m.xpress_mlp_ratio,
+        teacher_layer=len(layer_ids) > len(drafter_ids),
+        xpress_passes=xpress_ce_passes(
+            m.xpress_consistency_weight, m.xpress_consistency_passes, m.xpress_base_anchor_weight
+        ),
         target_mlp_width=shape.expert_width * experts_per_token,
         target_parallel=1 if colocated else t.target_parallel,
         max_inflight_sends=t.max_inflight_sends,

@@ -1,0 +1,85 @@
+"""The drafter memory that grows with the vocabulary, per `model.arch` (memory.py's drafter terms):
+
+- parameters: DSpark's heads (objective/dspark_loss.py's `markov_head`, `confidence_head`) and
+  XPress's refiner each hold a rank-r embedding of the vocabulary and a rank-r projection to it,
+  fp32 parameters with AdamW's state (training/working_weights.py gives them no bf16 copies);
+- the loss's work over the vocabulary:
+  - dflash, dflash2: one chunk of the chunked LM-head CE's logits (objective/lm_head_loss.py);
+  - dspark: one chunk of rows (objective/dspark_loss.py `row_terms`): the draft's logits, their
+    log-softmax and softmax, the teacher's softmax, and in the backward the chunk recomputed with
+    its gradients; the rows per chunk are the code's own (models/dspark_fields.py);
+  - xpress: the logits of every pass over every block row (objective/xpress_loss.py: the
+    teacher-forced pass, each consistency round and the base anchor, as the reference computes
+    them), whose CE keeps a log-softmax per pass for the backward.
+
+Pure Python, as memory.py; the shapes and constants are memory.py's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash_mp.models.dspark_fields import dspark_chunk_rows
+
+# The arguments are memory.py's TrainingShape `t` and Constants `c` (typed Any: memory.py imports
+# this module, and the package map allows no circle, type-only imports included).
+TrainingShape = Constants = Any
+
+
+def head_parameters(t: TrainingShape) -> int:
+    """fp32 parameters of DSpark's heads or XPress's refiner (0 for DFlash and DFlash 2)."""
+    h, v, b = t.target.hidden, t.target.vocab, t.block_size
+    if t.arch == "dspark":
+        r = t.markov_rank
+        mixing = {"gated": (h + r) * r + r, "rnn": (2 * r + h) * 3 * r + 3 * r}.get(t.markov_head_type, 0)
+        confidence = h + (r if t.confidence_head_with_markov else 0) + 1 if t.confidence_head else 0
+        return 2 * v * r + mixing + confidence
+    if t.arch == "xpress":
+        r = t.xpress_rank
+        # token_embed, readout; down_h, down_g; in_proj; the mixer; the MLP's gate, up and down
+        return 2 * v * r + 2 * h * r + 3 * r * r + r * b * b + 3 * r * r * t.xpress_mlp_ratio
+    return 0
+
+
+def xpress_ce_passes(consistency_weight: float, consistency_passes: int, base_anchor_weight: float) -> int:
+    """The passes whose logits XPress's loss keeps: the teacher-forced one, each consistency
+    round (with a weight), the base anchor (with a weight); `xpress_terms` runs the same."""
+    rounds = consistency_passes if consistency_weight > 0 and consistency_passes > 0 else 0
+    return 1 + rounds + (1 if base_anchor_weight > 0 else 0)
+
+
+def loss_rows(t: TrainingShape) -> tuple[int, str]:
+    """(the rows the loss reads a hidden state of, their formula): DFlash's scored block indices
+    1..Bs-1; every block row for DSpark (it drafts Bs tokens) and XPress (the refiner's input)."""
+    blocks = t.micro_batch * t.num_anchors
+    if t.arch in ("dspark", "xpress"):
+        return blocks * t.block_size, "N*Bs"
+    return blocks * (t.block_size - 1), "N*(Bs-1)"
+
+
+def vocabulary_work(t: TrainingShape, c: Constants) -> tuple[str, float, str]:
+    """(name, bytes, formula) of what the loss holds over the vocabulary at once (module docstring)."""
+    v = t.target.vocab
+    rows, rows_formula = loss_rows(t)
+    if t.arch == "dspark":
+        chunk = min(dspark_chunk_rows(v), rows)
+        return (
+            "DSpark vocabulary chunk",
+            chunk * v * c.dspark_chunk_copies * 4,
+            f"min({dspark_chunk_rows(v)}, {rows_formula}) x V x {c.dspark_chunk_copies:g} fp32 "
+            "(draft and teacher logits, softmaxes, gradients)",
+        )
+    if t.arch == "xpress":
+        per_row = t.xpress_passes * c.xpress_pass_bytes + c.xpress_transient_bytes
+        return (
+            "XPress logits per pass",
+            rows * v * per_row,
+            f"{rows_formula} x V x ({t.xpress_passes} passes x {c.xpress_pass_bytes:g} B "
+            f"+ {c.xpress_transient_bytes:g} B in flight)",
+        )
+    chunk = min(c.lm_head_chunk_rows, rows) * v * c.lm_head_bytes_per_logit
+    return (
+        "LM-head chunk",
+        chunk,
+        f"min({c.lm_head_chunk_rows}, {rows_formula}) x V x {c.lm_head_bytes_per_logit:g} B",
+    )
