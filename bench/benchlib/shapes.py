@@ -169,13 +169,16 @@ def predicted_memory(shape: Shape, cfg: RootConfig, drafters: int, world: int) -
     """dflash_mp.plan.memory's peaks for this run, to set beside the measured ones: a colocated rank
     (DDP over `world`), a target rank and a drafter rank (DDP over `drafters`). The benchmark's
     target replays no CUDA graphs."""
+    from dflash_mp.config.dspark_checks import feature_layer_ids
     from dflash_mp.plan.memory import TrainingShape, colocated_rank, drafter_rank, target_rank
+    from dflash_mp.plan.memory_check import drafter_head_fields
 
     m, t, tr = cfg.model, cfg.topology, cfg.train
+    sent = feature_layer_ids(shape.layer_ids, shape.target.layers, m)  # a DSpark teacher's layer too
     common = TrainingShape(
         target=shape.target,
-        target_layers_kept=max(shape.layer_ids) + 1,
-        feature_layers=len(shape.layer_ids),
+        target_layers_kept=max(sent) + 1,
+        feature_layers=len(sent),
         draft_layers=shape.draft_layers,
         block_size=shape.block_size,
         seq_len=shape.seq_len,
@@ -184,10 +187,8 @@ def predicted_memory(shape: Shape, cfg: RootConfig, drafters: int, world: int) -
         grad_accum=tr.grad_accum,
         drafters=drafters,
         activation_checkpointing=tr.activation_checkpointing,
-        arch=m.arch,
-        conv_kernel_size=m.conv_kernel_size,
-        conv_group_size=m.conv_group_size,
-        selector_rank=m.selector_rank,
+        **drafter_head_fields(m),
+        teacher_layer=len(sent) > len(shape.layer_ids),
         target_parallel=t.target_parallel,
         max_inflight_sends=t.max_inflight_sends,
         cuda_graphs=False,

@@ -10,6 +10,7 @@ without one, or to plan for a smaller GPU); without either the check is skipped.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from dflash_mp.config.dspark_checks import feature_layer_ids
 from dflash_mp.config.schema import RootConfig, read_target_config, resolved_target_layer_ids
@@ -55,6 +56,19 @@ def training_shape(cfg: RootConfig, target_config: dict, world_size: int | None 
         grad_accum=tr.grad_accum,
         drafters=t.drafters or world_size or 1,
         activation_checkpointing=tr.activation_checkpointing,
+        **drafter_head_fields(m),
+        teacher_layer=len(layer_ids) > len(drafter_ids),
+        target_mlp_width=shape.expert_width * experts_per_token,
+        target_parallel=1 if colocated else t.target_parallel,
+        max_inflight_sends=t.max_inflight_sends,
+        cuda_graphs=str(tr.cuda_graphs).lower() != "false" and (colocated or t.target_parallel == 1),
+    )
+
+
+def drafter_head_fields(m: Any) -> dict[str, Any]:
+    """TrainingShape's fields that `cfg.model` sets beyond the layers: the arch and its heads (the
+    benchmark's prediction takes them too)."""
+    return dict(
         arch=m.arch,
         conv_kernel_size=m.conv_kernel_size,
         conv_group_size=m.conv_group_size,
@@ -65,14 +79,9 @@ def training_shape(cfg: RootConfig, target_config: dict, world_size: int | None 
         confidence_head_with_markov=m.confidence_head_with_markov,
         xpress_rank=m.xpress_rank,
         xpress_mlp_ratio=m.xpress_mlp_ratio,
-        teacher_layer=len(layer_ids) > len(drafter_ids),
         xpress_passes=xpress_ce_passes(
             m.xpress_consistency_weight, m.xpress_consistency_passes, m.xpress_base_anchor_weight
         ),
-        target_mlp_width=shape.expert_width * experts_per_token,
-        target_parallel=1 if colocated else t.target_parallel,
-        max_inflight_sends=t.max_inflight_sends,
-        cuda_graphs=str(tr.cuda_graphs).lower() != "false" and (colocated or t.target_parallel == 1),
     )
 
 
