@@ -374,28 +374,22 @@ def test_the_benchmarks_device_initialised_drafter_starts_as_training_does() -> 
 def test_chat_shaped_packed_rows_report_their_real_token_rate(tmp_path: Path) -> None:
     """--data chat-packed: rows of whole chat-shaped records (data.packing), trained colocated; the
     token rate counts real tokens, which padding to the compile multiple leaves below B x S. The
-    stage sections run on its first row, narrower than S."""
+    stage sections run on its first row, narrower than S. With --override model.arch=dspark (one
+    run for both): the benchmark's drafter is built from the training config's choices
+    (recipe.drafter_choices), and its target sends the teacher's last layer beside the drafter's
+    inputs, as the runtime's target ranks do for DSpark's KL/TV/confidence terms."""
     sections = "setup,target_only,drafter_only,colocated"
     narrow = ("--seq-len", "1024", "--micro-batch", "1", "--seed", "37")  # its first row: 576 tokens
-    proc, result = run_bench(tmp_path, "--sections", sections, "--data", "chat-packed", *narrow, nproc=1)
+    dspark = ("--override", "model.arch=dspark")
+    proc, result = run_bench(
+        tmp_path, "--sections", sections, "--data", "chat-packed", *narrow, *dspark, nproc=1
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert all(result["sections"][name]["status"] == "ok" for name in sections.split(",")), result["sections"]
+    assert "DSpark vocabulary chunk" in json.dumps(result["setup"]["memory_prediction"])
     colocated = result["sections"]["colocated"]
     rank = colocated["per_rank"]["0"]
     assert rank["data"] == "chat-packed" and rank["skipped_nonfinite_steps"] == 0
     row = result["shape"]["seq_len"]
     assert 0.8 * rank["samples_per_s"] * row < rank["tokens_per_s"] <= rank["samples_per_s"] * row
     assert colocated["tokens_per_s_total"] == rank["tokens_per_s"]
-
-
-def test_the_heads_after_dflash2_bench_as_they_train(tmp_path: Path) -> None:
-    """--override model.arch=dspark: the benchmark's drafter is built from the training config's
-    choices (recipe.drafter_choices), and its target sends the teacher's last layer beside the
-    drafter's inputs, as the runtime's target ranks do for DSpark's KL/TV/confidence terms."""
-    proc, result = run_bench(
-        tmp_path, "--sections", "setup,drafter_only,colocated", "--override", "model.arch=dspark", nproc=1
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    sections = result["sections"]
-    assert all(sections[name]["status"] == "ok" for name in ("setup", "drafter_only", "colocated")), sections
-    assert sections["colocated"]["per_rank"]["0"]["skipped_nonfinite_steps"] == 0
