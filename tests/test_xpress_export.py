@@ -35,7 +35,11 @@ def test_the_export_loads_into_the_reference_xpress_model(tmp_path):
     drafter = DFlashDrafter(config, seed=3)
     with torch.no_grad():  # a mixer away from its zero init
         drafter.refiner_head.mix_l.normal_(generator=torch.Generator().manual_seed(0))
-    out = export_speculators(drafter, tmp_path / "xpress", "org/target", ["Qwen3ForCausalLM"], torch.float32)
+    # A local verifier: the reference's model reads its config (a hub name costs a network timeout).
+    verifier = tmp_path / "target"
+    verifier.mkdir()
+    (verifier / "config.json").write_text(json.dumps({**TARGET, "architectures": ["Qwen3ForCausalLM"]}))
+    out = export_speculators(drafter, tmp_path / "xpress", str(verifier), ["Qwen3ForCausalLM"], torch.float32)
 
     xpress = speculators_module("models.xpress")
     speculators_module("config").reload_schemas()  # once the models are registered, as its __init__
