@@ -203,6 +203,46 @@ def test_packed_loss_equals_the_documents_trained_alone(attention: str, dpace_al
         )  # sums of ~100s in fp32
 
 
+@pytest.mark.parametrize(
+    "arch, fields",
+    [
+        # DSpark: slot k predicts p+k+1 (sample_from_anchor), the Markov head reads the token before;
+        # CE on the data token only, so no teacher layer is needed in the features.
+        ("dspark", {"dspark": {"markov_rank": 8, "markov_head_type": "gated", "enable_confidence_head": False,
+                               "confidence_head_with_markov": False, "sample_from_anchor": True}}),
+        # XPress: its refiner reads the token before each block and mixes causally within the block.
+        ("xpress", {"xpress": {"xpress_rank": 8, "xpress_mlp_ratio": 2, "num_jacobi_passes": 2}}),
+    ],
+)  # fmt: skip
+def test_the_heads_after_dflash2_keep_packed_documents_apart(arch: str, fields: dict) -> None:
+    """As test_packed_loss_equals_the_documents_trained_alone, for DSpark's and XPress's own
+    labels, heads and terms: a packed micro-batch's weighted loss and gradients are the sum over
+    its documents each alone in a row."""
+    from dflash_mp.objective.dspark_loss import DSparkLossWeights
+
+    drafter, embed, head, _ = tiny_problem(2, arch=arch, **fields)
+    documents = _documents([40, 70, 25, 11], seed=4)
+    packed = _packed([[documents[0], documents[1]], [documents[2], documents[3]]], width=ROW)
+    ce_only = DSparkLossWeights(ce=1.0, kl=0.0, tv=0.0, confidence=0.0)
+
+    def weighted_loss(batch):
+        drafter.zero_grad()
+        loss, stats = drafter_loss(
+            drafter, embed, head, batch, attention="sdpa", row_tokens=ROW, dspark=ce_only, **ARGS
+        )
+        (loss * stats["weight_sum"]).backward()
+        grads = {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}
+        return loss.detach() * stats["weight_sum"], stats["weight_sum"], grads
+
+    total, weight, grads = weighted_loss(packed)
+    alone = [weighted_loss(_packed([[doc]], width=ROW)) for doc in documents]
+    assert weight > 0
+    torch.testing.assert_close(weight, sum(w for _, w, _ in alone))
+    torch.testing.assert_close(total, sum(t for t, _, _ in alone), rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, sum(g[name] for _, _, g in alone), rtol=1e-4, atol=5e-4, msg=name)
+
+
 def test_packed_blocks_use_positions_within_the_document() -> None:
     a, b = _documents([40, 50])
     batch = _packed([[a, b]], width=ROW)

@@ -120,7 +120,9 @@ def xpress_drafter_loss(
     stats = {
         "correct": correct.sum(0),
         "count": scored.sum(0),
-        "weight_sum": weights.float().sum(),
+        # Every term is over the scored count (data_ce, as the reference): that is the micro-batch's
+        # share of the global batch, so its loss x count sums over micro-batches, ranks and documents.
+        "weight_sum": mask.float().sum(),
         "xpress": packed.float(),
     }
     return loss, stats
