@@ -214,7 +214,8 @@ def test_packed_loss_equals_the_documents_trained_alone(attention: str, dpace_al
         ("xpress", {"xpress": {"xpress_rank": 8, "xpress_mlp_ratio": 2, "num_jacobi_passes": 2}}),
     ],
 )  # fmt: skip
-def test_the_heads_after_dflash2_keep_packed_documents_apart(arch: str, fields: dict) -> None:
+@pytest.mark.parametrize("dpace_alpha", [None, 0.5])
+def test_the_heads_after_dflash2_keep_packed_documents_apart(arch: str, fields: dict, dpace_alpha) -> None:
     """As test_packed_loss_equals_the_documents_trained_alone, for DSpark's and XPress's own
     labels, heads and terms: a packed micro-batch's weighted loss and gradients are the sum over
     its documents each alone in a row."""
@@ -228,7 +229,15 @@ def test_the_heads_after_dflash2_keep_packed_documents_apart(arch: str, fields: 
     def weighted_loss(batch):
         drafter.zero_grad()
         loss, stats = drafter_loss(
-            drafter, embed, head, batch, attention="sdpa", row_tokens=ROW, dspark=ce_only, **ARGS
+            drafter,
+            embed,
+            head,
+            batch,
+            attention="sdpa",
+            row_tokens=ROW,
+            dspark=ce_only,
+            dpace_alpha=dpace_alpha,
+            **ARGS,
         )
         (loss * stats["weight_sum"]).backward()
         grads = {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}

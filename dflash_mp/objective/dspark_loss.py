@@ -277,7 +277,8 @@ def dspark_loss(
     stats = {
         "correct": (correct.view(-1, block_size) & scored).sum(0),
         "count": scored.sum(0),
-        "weight_sum": flat_weights.sum(),
+        # The terms' denominator (term_weights): the micro-batch's share of the global batch.
+        "weight_sum": flat_weights.sum() if dpace_alpha is None else (flat_weights > 0).sum().float(),
         "dspark": dspark_metrics_stats(
             accept.view(-1, block_size),
             None if confidence is None else confidence.view(-1, block_size),
