@@ -185,13 +185,12 @@ def test_mla_keeps_documents_in_rows() -> None:
         n_group=1, topk_group=1, first_k_dense_replace=1,
     )  # fmt: skip
     ids, document_ids = _packed_batch(seed=4, vocab=128)
-    for packed_rows in (False, True):  # SDPA's masks; flex with its value heads wider than 16
-        extractor = TargetFeatureExtractor.build_random(config, [0, 2], torch.float32, "cpu", seed=2)
-        if packed_rows:
-            assert extractor.use_fast_kernels(packed_rows=True)["attention"] == target_kernels.DOCUMENT_FLEX
-        packed = extractor(ids, document_ids)
-        assert extractor.packing.in_rows, extractor.packing.describe()
-        assert _worst_document_error(extractor, ids, packed) < TOLERANCE
+    extractor = TargetFeatureExtractor.build_random(config, [0, 2], torch.float32, "cpu", seed=2)
+    # MLA keeps SDPA's masks with packed rows (queries wider than values: target_kernels.takes_document_flex).
+    assert extractor.use_fast_kernels(packed_rows=True)["attention"] == "sdpa"
+    packed = extractor(ids, document_ids)
+    assert extractor.packing.in_rows, extractor.packing.describe()
+    assert _worst_document_error(extractor, ids, packed) < TOLERANCE
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -218,6 +217,7 @@ def test_packed_rows_of_sdpa_targets_take_flex_with_a_block_mask_per_document(na
     kernels = extractor.use_fast_kernels(packed_rows=True)
     assert (kernels["attention"] == target_kernels.DOCUMENT_FLEX) == (name != "llama4"), kernels
     assert not target_kernels.takes_document_flex(LlamaConfig(attn_logit_softcapping=30.0))
+    assert not target_kernels.takes_document_flex(LlamaConfig(hidden_size=3072, num_attention_heads=32))  # 96
     vocab = extractor.decoder.config.vocab_size
     ids, document_ids = _packed_batch(seed=8, vocab=vocab)
     packed = extractor(ids, document_ids)

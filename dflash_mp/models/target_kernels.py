@@ -111,14 +111,20 @@ def takes_grouped_experts(model_class: type | None) -> bool | None:
 def takes_document_flex(config: Any) -> bool:
     """Whether packed rows of a target of `config` run flex_attention with a per-document block mask:
     on SDPA with a causal or windowed mask and no score transform the block mask cannot express
-    (logit softcapping, chunked attention)."""
+    (logit softcapping, chunked attention), and heads of one power-of-two width (the GPU shapes
+    measured; MLA's wider queries than values and other widths keep SDPA's masks)."""
     layer_types = set(getattr(config, "layer_types", None) or [])
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
     return (
         # None: a config not yet built into a model, which transformers puts on SDPA
         (getattr(config, "_attn_implementation", None) or "sdpa") == "sdpa"
         and not getattr(config, "attn_logit_softcapping", None)
         and not getattr(config, "attention_chunk_size", None)
         and "chunked_attention" not in layer_types
+        and not getattr(config, "kv_lora_rank", None)  # MLA
+        and head_dim > 0
+        and head_dim & (head_dim - 1) == 0
     )
 
 
