@@ -154,6 +154,26 @@ def test_an_unknown_position_mixer_runs_one_row_per_document() -> None:
     assert _worst_document_error(extractor, ids, packed) < TOLERANCE
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_a_failed_packed_forward_on_the_document_kernel_goes_one_row_per_document_on_sdpa(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the in-rows forward fails (a decoder or kernel the structural checks did not foresee),
+    the target goes one row per document, and leaves the document flex kernel for SDPA's causal path."""
+    extractor = TargetFeatureExtractor(ensure_family_target("llama3"), LAYER_IDS, torch.float32, "cpu")
+    assert extractor.use_fast_kernels(packed_rows=True)["attention"] == target_kernels.DOCUMENT_FLEX
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(extractor, "_forward_in_rows", fails)
+    ids, document_ids = _packed_batch(seed=10)
+    packed = extractor(ids, document_ids)
+    assert not extractor.packing.in_rows and "no kernel for this shape" in extractor.packing.reason
+    assert extractor.kernels["attention"] == extractor.decoder.config._attn_implementation == "sdpa"
+    assert _worst_document_error(extractor, ids, packed) < TOLERANCE
+
+
 def test_a_convolution_in_an_attention_decoder_is_found_by_structure() -> None:
     """Not the family: a Conv1d injected into a Llama layer, or a class named like a recurrence."""
     config = LlamaConfig(

@@ -280,6 +280,10 @@ class TargetFeatureExtractor(nn.Module):
                 reason = f"its forward with documents in the rows failed: {cause}"
                 self._packing = packed_target.PackingPlan(False, reason)
                 log.warning("target %s: %s", type(self.decoder).__name__, self._packing.describe())
+                if getattr(self, "kernels", {}).get("attention") == target_kernels.DOCUMENT_FLEX:
+                    # The rows run one per document now: causal SDPA, not the kernel that may have failed.
+                    self.decoder.config._attn_implementation = "sdpa"
+                    self.kernels["attention"] = "sdpa"
             else:
                 self._packed_forward_ran = True
                 return features
