@@ -71,7 +71,13 @@ def run(bench: BenchState) -> dict:
         return {"per_rank": {str(rank): {"tp_samples_per_s": tp_rate}}}
     start = time.perf_counter()
     reference = random_target(
-        bench.shape, bench.dtype, bench.device, seed=bench.args.seed, compile_layers=bench.compiled
+        bench.shape,
+        bench.dtype,
+        bench.device,
+        seed=bench.args.seed,
+        compile_layers=bench.compiled,
+        packed_rows=bench.args.data == "chat-packed",
+        layer_ids=bench.feature_layer_ids,
     )
     build_s = time.perf_counter() - start
     ref_hidden, tp1_rate = _timed(bench, reference, batch)
@@ -80,7 +86,7 @@ def run(bench: BenchState) -> dict:
     if bench.device.type == "cuda":
         torch.cuda.empty_cache()
     tolerance = RELATIVE_TOLERANCE.get(bench.dtype, 2e-2)
-    diff = compare(tp_hidden, ref_hidden, len(bench.shape.layer_ids))
+    diff = compare(tp_hidden, ref_hidden, len(bench.feature_layer_ids))
     replica = bench.layout.replica_of(rank)
     measured = {
         **diff,
