@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import shutil
-import socket
-from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -24,25 +21,21 @@ from dflash_mp.config.schema import (
     to_dataclass,
 )
 from dflash_mp.config.validation import processes_per_job, validate
-from dflash_mp.run.processes import zombie_children
-from dflash_mp.run.rundir import fresh_start_problem
+from dflash_mp.launch.host_checks import (
+    Check,
+    check_disk,
+    check_port,
+    check_reaper,
+    check_run_dir,
+)
 
 REQUIRED_MODULES = ("torch", "transformers", "safetensors", "hydra", "omegaconf")
-# Enough for logs and a few checkpoints of a small drafter; a real drafter needs more (~16 B/param each).
-MIN_FREE_GIB = 1.0
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 UNKNOWN_WORLD = (
     "topology.layout=colocated with topology.drafters=null starts one rank per visible GPU, but no GPU "
     "is in use (train.device=cpu, or none visible): set topology.drafters=N, the number of processes"
 )
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    message: str  # what was found, or the reason and the fix
 
 
 def preflight(
@@ -338,34 +331,6 @@ def check_target_kernels(
     return Check("kernels", True, ("warning: " if slow else "") + format_kernels(kernels))
 
 
-def check_disk(run_dir: Path, min_free_gib: float = MIN_FREE_GIB) -> Check:
-    existing = Path(run_dir).absolute()
-    while not existing.exists():  # the run directory may not exist yet: judge the disk it will be on
-        existing = existing.parent
-    if not os.access(existing, os.W_OK):
-        return Check("disk", False, f"{existing} is not writable: choose run_dir=PATH on a writable disk")
-    free = shutil.disk_usage(existing).free / 2**30
-    if free < min_free_gib:
-        return Check(
-            "disk",
-            False,
-            f"{free:.1f} GiB free at {existing}, below {min_free_gib:g} GiB: free space or choose another run_dir",
-        )
-    return Check("disk", True, f"{free:.0f} GiB free at {existing}")
-
-
-def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> Check:
-    """A fresh start must not destroy an earlier run's checkpoints and metrics."""
-    problem = fresh_start_problem(Path(run_dir), resume, overwrite)
-    if problem is not None:
-        return Check("run_dir", False, problem)
-    if overwrite:
-        return Check(
-            "run_dir", True, f"warning: train.overwrite=true: {run_dir} is cleared before the job starts"
-        )
-    return Check("run_dir", True, f"{run_dir}: {'resume' if resume else 'fresh start'}")
-
-
 def check_resume(cfg: RootConfig, run_dir: Path, world_size: int | None) -> Check:
     """A resume the first drafter would refuse (nothing left to train, the data order moved),
     refused before any worker starts."""
@@ -373,31 +338,3 @@ def check_resume(cfg: RootConfig, run_dir: Path, world_size: int | None) -> Chec
 
     problem = resume_problem(cfg, Path(run_dir), world_size)
     return Check("resume", problem is None, problem or "the checkpoints' settings allow this resume")
-
-
-def check_reaper() -> Check:
-    """Orphans (a detached job's supervisor, once it ends) are adopted by PID 1, which must reap them."""
-    init = Path("/proc/1/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace") or "?"
-    zombies = zombie_children(1)
-    if zombies:  # a warning: only what ends detached is affected
-        return Check(
-            "reaper",
-            True,
-            f"warning: PID 1 ({init}) leaves {len(zombies)} orphan(s) <defunct>; so will a detached "
-            "job's supervisor once it ends: run containers with an init (docker run --init, tini)",
-        )
-    return Check("reaper", True, f"PID 1 ({init}): no unreaped orphans")
-
-
-def check_port(port: int) -> Check:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError as e:
-            return Check(
-                "port",
-                False,
-                f"port {port} is in use ({e.strerror}): pick a free one (--rdzv-endpoint HOST:PORT, MASTER_PORT)",
-            )
-    return Check("port", True, f"port {port} is free")
