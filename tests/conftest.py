@@ -146,6 +146,38 @@ def run_train(
     return proc
 
 
+def run_tiny_colocated_sweep(
+    tmp_path: Path, *overrides: str, timeout: float
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """`python -m dflash_mp.train -m` over `overrides` (comma lists sweep): each point two steps of
+    one colocated rank of a shrunk real-target recipe on 16 bundled records, its own torchrun job,
+    started by one launcher process. Returns the sweep directory (points/<n>.json) and the process."""
+    from dflash_mp.embedded import embedded_path
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(embedded_path("data/train.jsonl").read_text().splitlines(True)[:16]))
+    recipe = [
+        "experiment=custom",  # a real target's recipe, shrunk
+        "model.draft_layers=2",
+        "model.block_size=4",
+        "topology=colocated",
+        "topology.drafters=1",  # one rank (on CPU the launcher needs the count)
+        "train.max_steps=2",
+        f"data.train_files=[{train}]",
+        "data.max_length=64",
+        "data.num_anchors=4",
+        "eval.every=0",
+        NO_PLOTS,
+    ]
+    sweep = tmp_path / "sweep"
+    job = subprocess.run(
+        [sys.executable, "-m", "dflash_mp.train", "-m", *recipe, *overrides],
+        cwd=REPO, env=job_env() | {"DFLASH_SWEEP_DIR": str(sweep)}, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    return sweep, job
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from dflash_mp.embedded import embedded_path
-from tests.conftest import NO_PLOTS, REPO, job_env, read_metrics
+from tests.conftest import read_metrics, run_tiny_colocated_sweep
 
 pytestmark = pytest.mark.slow
 
@@ -27,33 +24,14 @@ ARCHITECTURES = {"dspark": ["DSparkSpeculator"], "xpress": ["XPressDraftModel"]}
 
 @pytest.fixture(scope="module")
 def head_sweep(tmp_path_factory: pytest.TempPathFactory, stock_qwen3_target: Path):
-    tmp_path = tmp_path_factory.mktemp("heads")
-    train = tmp_path / "train.jsonl"
-    train.write_text("".join(embedded_path("data/train.jsonl").read_text().splitlines(True)[:16]))
-    overrides = [
-        "experiment=custom",
+    return run_tiny_colocated_sweep(
+        tmp_path_factory.mktemp("heads"),
         f"model.arch={','.join(ARCHS)}",
         "model.markov_rank=8",
         "model.xpress_rank=8",
-        "model.draft_layers=2",
         f"model.target_path={stock_qwen3_target}",
-        "model.block_size=4",
-        "topology=colocated",
-        "topology.drafters=1",
-        "train.max_steps=2",
-        f"data.train_files=[{train}]",
-        "data.max_length=64",
-        "data.num_anchors=4",
-        "eval.every=0",
-        NO_PLOTS,
-    ]
-    sweep = tmp_path / "sweep"
-    job = subprocess.run(
-        [sys.executable, "-m", "dflash_mp.train", "-m", *overrides],
-        cwd=REPO, env=job_env() | {"DFLASH_SWEEP_DIR": str(sweep)}, capture_output=True, text=True,
         timeout=240,
-    )  # fmt: skip
-    return sweep, job
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ from dflash_mp.models.target_structure import (
     locate_decoder,
     meta_model,
 )
-from tests.conftest import NO_PLOTS, REPO, job_env, read_metrics
+from tests.conftest import read_metrics, run_tiny_colocated_sweep
 from tests.drafters import embedded_config
 from tests.target_families import (
     FAMILIES,
@@ -270,34 +269,13 @@ def family_sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subpro
     """Two steps of one colocated rank for every family, as the points of one Hydra sweep (`-m`):
     each point is its own torchrun job, started by one launcher process (about half the CPU of a
     plain torchrun job per family). A failed point leaves the others running; each test reads its own."""
-    from dflash_mp.embedded import embedded_path
-
-    tmp_path = tmp_path_factory.mktemp("families")
-    train = tmp_path / "train.jsonl"
-    train.write_text("".join(embedded_path("data/train.jsonl").read_text().splitlines(True)[:16]))
     targets = ",".join(str(ensure_family_target(name)) for name in SWEPT)
-    overrides = [
-        "experiment=custom",  # a real target's recipe, shrunk below
-        "model.draft_layers=2",
+    return run_tiny_colocated_sweep(
+        tmp_path_factory.mktemp("families"),
         f"model.target_path={targets}",
         "model.target_layer_ids=[1,3]",
-        "model.block_size=4",
-        "topology=colocated",
-        "topology.drafters=1",  # one rank (on CPU the launcher needs the count)
-        "train.max_steps=2",
-        f"data.train_files=[{train}]",
-        "data.max_length=64",
-        "data.num_anchors=4",
-        "eval.every=0",
-        NO_PLOTS,
-    ]
-    sweep = tmp_path / "sweep"
-    job = subprocess.run(
-        [sys.executable, "-m", "dflash_mp.train", "-m", *overrides],
-        cwd=REPO, env=job_env() | {"DFLASH_SWEEP_DIR": str(sweep)}, capture_output=True, text=True,
         timeout=120 * len(SWEPT),
-    )  # fmt: skip
-    return sweep, job
+    )
 
 
 @pytest.mark.slow
