@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -59,17 +58,6 @@ class SyntheticReader:
             lengths=self.lengths,
             sample_ids=torch.arange(m * b, (m + 1) * b, dtype=torch.long),
         )
-
-
-def batch_to(batch: MicroBatch, device: torch.device) -> MicroBatch:
-    return replace(
-        batch,
-        input_ids=batch.input_ids.to(device),
-        loss_mask=batch.loss_mask.to(device),
-        lengths=batch.lengths.to(device),
-        sample_ids=batch.sample_ids.to(device),
-        document_ids=None if batch.document_ids is None else batch.document_ids.to(device),
-    )
 
 
 def received_form(batch: MicroBatch, hidden: torch.Tensor, device: torch.device) -> Features:

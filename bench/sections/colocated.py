@@ -16,11 +16,10 @@ import torch
 import torch.distributed as dist
 from benchlib.compile_watch import CompileWatch
 from benchlib.state import BenchState
-from benchlib.synthetic import batch_to, random_target
+from benchlib.synthetic import random_target
 from benchlib.timing import count_nonfinite, distribution, sync
 
-from dflash_mp.runtime.roles import hidden_states_for_drafter
-from dflash_mp.training.features import features_of
+from dflash_mp.runtime.colocated import through_target
 
 TIMEOUT_S = 420
 
@@ -124,5 +123,4 @@ def _build_pair(bench: BenchState):
 def _micro_batch(bench: BenchState, i: int, micro: int):
     """Step i's micro-batch `micro` of this rank, through the target: the order colocated reads in."""
     m = (i * bench.world + bench.rank) * bench.A + micro
-    batch = batch_to(bench.reader.read(m), bench.device)
-    return features_of(batch, hidden_states_for_drafter(bench.extractor, batch, bench.dtype, bench.device))
+    return through_target(bench.reader.read(m), bench.extractor, bench.dtype, bench.device)

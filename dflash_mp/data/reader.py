@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -39,6 +39,27 @@ class MicroBatch:
     @property
     def num_sequences(self) -> int:
         return self.input_ids.shape[0]
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """This micro-batch on `device`. Host tensors reach a GPU through pinned memory without
+        blocking: a copy from pageable memory first waits for everything queued on the device,
+        which leaves the device idle while the host then prepares the next batch."""
+
+        def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            if tensor is None:
+                return None
+            if torch.device(device).type == "cuda" and tensor.device.type == "cpu":
+                return tensor.pin_memory().to(device, non_blocking=True)
+            return tensor.to(device)
+
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            loss_mask=move(self.loss_mask),
+            lengths=move(self.lengths),
+            sample_ids=move(self.sample_ids),
+            document_ids=move(self.document_ids),
+        )
 
 
 def padded_width(length: int, pad_to_multiple: int) -> int:

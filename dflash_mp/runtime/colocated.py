@@ -16,7 +16,7 @@ import functools
 import torch
 
 from dflash_mp.config.schema import RootConfig
-from dflash_mp.data import MicroBatchReader
+from dflash_mp.data import MicroBatch, MicroBatchReader
 from dflash_mp.run.logs import get_logger
 from dflash_mp.runtime.clock import RoleClock
 from dflash_mp.runtime.distributed import Job
@@ -62,8 +62,7 @@ def run_colocated(
         too_long, too_long_before = reader.too_long_records - too_long_before, reader.too_long_records
         beat("forward", trainer.step)
         with target_clock.busy():
-            hidden = hidden_states_for_drafter(extractor, batch, dtype, job.device)
-        return features_of(batch, hidden, bad, too_long)
+            return through_target(batch, extractor, dtype, job.device, bad, too_long)
 
     # The next step's first micro-batch is read (tokenized on the host), run through the target
     # and prepared while the device runs the update, as a drafter rank of the split receives it.
@@ -97,6 +96,15 @@ def run_colocated(
         drafter_clock.busy_s,
         reader.bad_records,
     )
+
+
+def through_target(
+    batch: MicroBatch, extractor, dtype: torch.dtype, device: torch.device, bad: int = 0, too_long: int = 0
+) -> Features:
+    """A micro-batch read on the host, through the target on `device`, as a drafter rank receives it.
+    Nothing here waits for the device: this runs while the update is queued (`MicroBatch.to`)."""
+    batch = batch.to(device)
+    return features_of(batch, hidden_states_for_drafter(extractor, batch, dtype, device), bad, too_long)
 
 
 def time_split(target_clock: RoleClock, drafter_clock: RoleClock) -> dict[str, float]:

@@ -132,10 +132,10 @@ def make_feature_extractor(
 def hidden_states_for_drafter(extractor, batch: MicroBatch, dtype: torch.dtype, device: torch.device):
     if batch.input_ids.shape[0] == 0:
         return torch.empty(0, 0, extractor.hidden_size * len(extractor.layer_ids), dtype=dtype, device=device)
-    document_ids = getattr(batch, "document_ids", None)  # packed rows (data.packing)
-    if document_ids is None:
-        return extractor(batch.input_ids.to(device)).to(dtype)
-    return extractor(batch.input_ids.to(device), document_ids.to(device)).to(dtype)
+    batch = batch.to(device)  # a no-op when the caller moved it already
+    if batch.document_ids is None:
+        return extractor(batch.input_ids).to(dtype)
+    return extractor(batch.input_ids, batch.document_ids).to(dtype)  # packed rows (data.packing)
 
 
 def run_target(cfg: RootConfig, job: Job, start_step: int, steps: int, reader, extractor, dtype) -> None:
