@@ -396,6 +396,9 @@ def test_compiled_graphed_packed_forward_equals_each_document_alone(family: str)
         for (ids, document_ids), expected in zip(batches, eager, strict=True):
             # Within bf16: a captured matmul may take another cuBLAS algorithm than the eager one.
             assert _relative_error(extractor(ids, document_ids), expected) < 1e-2, family
-    assert extractor.cuda_graphs_off_because is None and extractor.packing.in_rows
-    assert list(extractor._graphed.graphs) == [("packed", 2, 256)]
+    assert extractor.cuda_graphs_off_because is None
+    if extractor.packing.in_rows:
+        assert list(extractor._graphed.graphs) == [("packed", 2, 256)]
+    else:  # a transformers whose deltanet reaches its kernels through attributes (5.17): one row per document
+        assert family == "qwen3_5" and "gated deltanets" in extractor.packing.reason, extractor.packing.reason
     torch._dynamo.reset()
