@@ -49,6 +49,8 @@ pipeline and transport need two ranks and are recorded as skipped; the summary's
 still follows from the two standalone rates. Each section's peak memory then includes the other
 role's resident objects (the target's weights during drafter_only, the drafter's during
 target_only); colocated first drops the drafter_only objects, so its peak is one GPU's pair.
+Setup builds the target only when a section that runs it is selected, so drafter sections alone
+(`--sections setup,drafter_only`) measure what a drafter rank holds.
 """
 
 from __future__ import annotations

@@ -86,10 +86,12 @@ def peak_memory_gib(merged: dict) -> dict:
     s, setup = merged["sections"], merged["setup"]
     predicted = setup.get("memory_prediction") or {}
     single = setup.get("world_size") == 1
-    # One rank holds both roles' objects in every section: only colocated is one GPU's pair.
+    # One rank holds both roles' objects in every section (only colocated is one GPU's pair),
+    # unless setup built no target (drafter sections alone): then it holds a drafter rank's.
+    both = single and _get(s, "setup", "target") is not None
     ranks = {
         "target_only": (rank_of(setup, "target"), None if single else "target_rank"),
-        "drafter_only": (rank_of(setup, "drafter"), "colocated" if single else "drafter_rank"),
+        "drafter_only": (rank_of(setup, "drafter"), "colocated" if both else "drafter_rank"),
         "colocated": ("*", "colocated"),  # every rank ran it: the highest
     }
     result = {}

@@ -393,3 +393,33 @@ def test_chat_shaped_packed_rows_report_their_real_token_rate(tmp_path: Path) ->
     row = result["shape"]["seq_len"]
     assert 0.8 * rank["samples_per_s"] * row < rank["tokens_per_s"] <= rank["samples_per_s"] * row
     assert colocated["tokens_per_s_total"] == rank["tokens_per_s"]
+
+
+def test_drafter_sections_alone_build_no_target_and_compare_with_a_drafter_ranks_peak(monkeypatch):
+    sys.path.insert(0, str(REPO / "bench"))
+    from sections import setup
+    from summary import peak_memory_gib
+
+    built = []
+    monkeypatch.setattr(setup, "_setup_target", lambda bench: built.append("target") or {})
+    monkeypatch.setattr(setup, "_setup_drafter", lambda bench: built.append("drafter") or {})
+    for sections, expected in (
+        (["setup", "drafter_only"], ["drafter"]),
+        (["setup", "drafter_only", "profile"], ["drafter"]),
+        (["setup", "target_only"], ["target", "drafter"]),
+        (["setup", "drafter_only", "colocated"], ["target", "drafter"]),
+    ):
+        built.clear()
+        bench = type("Bench", (), {"roles": {"target", "drafter"}})()
+        bench.args = type("Args", (), {"sections": sections})()
+        result = setup.run(bench)
+        assert built == expected and ("target" in result) == ("target" in expected), sections
+
+    prediction = {"colocated": {"peak_gib": 40.0}, "drafter_rank": {"peak_gib": 25.0}}
+    merged = {
+        "setup": {"world_size": 1, "roles": {"0": "target+drafter"}, "memory_prediction": prediction},
+        "sections": {"setup": {"drafter": {}}, "drafter_only": {"per_rank": {"0": {"memory": {}}}}},
+    }
+    assert peak_memory_gib(merged)["drafter_only"]["predicted"] == 25.0  # no target: a drafter rank's
+    merged["sections"]["setup"]["target"] = {}
+    assert peak_memory_gib(merged)["drafter_only"]["predicted"] == 40.0  # the target resident too
