@@ -1,6 +1,6 @@
 """The memory model's vocabulary-sized drafter terms (dflash_mp/plan/memory_heads.py) against the code
-they predict: DSpark's loss chunk has the rows `row_terms` takes, XPress's logits count the passes
-`xpress_terms` runs, the heads' parameters are the modules', and `python -m dflash_mp.plan memory`
+they predict: DSpark's loss chunk has the rows `row_terms` takes, XPress's the blocks `xpress_terms`
+takes and the passes it runs, the heads' parameters are the modules', and `python -m dflash_mp.plan memory`
 shows them per arch."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 
 from dflash_mp.config.schema import compose_config, to_dataclass
 from dflash_mp.models.dspark import ConfidenceHead, MarkovHead
+from dflash_mp.models.dspark_fields import xpress_chunk_blocks
 from dflash_mp.models.xpress import XPressRefiner
 from dflash_mp.objective import dspark_loss, xpress_loss
 from dflash_mp.plan.cli import main as plan_main
@@ -54,10 +55,10 @@ def test_the_dspark_chunk_is_the_one_row_terms_takes(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(("weight", "passes", "anchor"), [(0.3, 3, 0.6), (0.0, 3, 0.6), (0.3, 2, 0.0)])
-def test_the_xpress_logits_count_the_passes_the_loss_runs(monkeypatch, weight, passes, anchor) -> None:
+def test_the_xpress_chunk_counts_the_passes_the_loss_runs(monkeypatch, weight, passes, anchor) -> None:
     calls = []
-    original = xpress_loss.data_ce
-    monkeypatch.setattr(xpress_loss, "data_ce", lambda *args: calls.append(1) or original(*args))
+    original = xpress_loss.weighted_ce
+    monkeypatch.setattr(xpress_loss, "weighted_ce", lambda *args: calls.append(1) or original(*args))
     blocks, block, hidden, vocab = 2, 4, 8, 11
     refiner = XPressRefiner(hidden, vocab, block, rank=4, mlp_ratio=2)
     labels = torch.randint(0, vocab, (blocks, block))
@@ -73,14 +74,43 @@ def test_the_xpress_logits_count_the_passes_the_loss_runs(monkeypatch, weight, p
         mask.float(),
         terms,
     )
-    assert len(calls) == xpress_ce_passes(weight, passes, anchor)
+    assert len(calls) == xpress_ce_passes(weight, passes, anchor)  # one chunk: each pass's CE once
     overrides = [f"model.xpress_consistency_weight={weight}", f"model.xpress_consistency_passes={passes}"]
     shape = _shape("model.arch=xpress", *overrides, f"model.xpress_base_anchor_weight={anchor}")
     name, nbytes, _ = vocabulary_work(shape, DEFAULT_CONSTANTS)
     rows = shape.micro_batch * shape.num_anchors * shape.block_size
+    chunk = xpress_chunk_blocks(shape.target.vocab, shape.block_size) * shape.block_size
     c = DEFAULT_CONSTANTS
-    assert name == "XPress logits per pass" and shape.xpress_passes == len(calls)
-    assert nbytes == rows * shape.target.vocab * (len(calls) * c.xpress_pass_bytes + c.xpress_transient_bytes)
+    assert name == "XPress vocabulary chunk" and shape.xpress_passes == len(calls)
+    per_row = len(calls) * c.xpress_pass_bytes + c.xpress_transient_bytes
+    assert nbytes == min(chunk, rows) * shape.target.vocab * per_row
+
+
+def test_the_xpress_chunk_is_the_one_xpress_terms_takes(monkeypatch) -> None:
+    shape = _shape("model.arch=xpress")
+    vocab, block, hidden = shape.target.vocab, shape.block_size, 4
+    seen = []
+
+    def record(refiner, to_logits, base, *args):
+        seen.append(base.shape[0])
+        return torch.zeros(5, *base.shape[:2]), torch.zeros(base.shape[:2], dtype=torch.bool)
+
+    monkeypatch.setattr(xpress_loss, "_chunk_terms", record)
+    # Rank 1: the vocabulary's rows at a small cost; the chunk is read from the readout's.
+    refiner = XPressRefiner(hidden, vocab, block, rank=1, mlp_ratio=1)
+    blocks = 100
+    labels = torch.zeros(blocks, block, dtype=torch.long)
+    rows = torch.zeros(blocks, block, hidden)
+    with torch.no_grad():
+        xpress_loss.xpress_terms(
+            refiner, rows, rows, labels, labels[:, 0], labels > 0, rows[..., 0], xpress_loss.XPressWeights()
+        )
+    chunk = max(seen) * block
+    assert len(seen) > 1 and sum(seen) == blocks
+    name, nbytes, formula = vocabulary_work(shape, DEFAULT_CONSTANTS)
+    assert name == "XPress vocabulary chunk" and f"min({chunk}, N*Bs)" in formula
+    terms = {t.name for t in drafter_rank(shape).phases["drafter step"]}
+    assert name in terms and "LM-head chunk" not in terms
 
 
 def _small(shape):
@@ -116,7 +146,7 @@ def test_plan_memory_shows_each_arch_vocabulary_term(capsys) -> None:
     expected = {
         "dflash": "LM-head chunk",
         "dspark": "DSpark vocabulary chunk",
-        "xpress": "XPress logits per pass",
+        "xpress": "XPress vocabulary chunk",
     }
     peaks = {}
     for arch, term in expected.items():

@@ -13,7 +13,7 @@ import torch
 from speculators_reference import speculators_module
 from transformers import Qwen3Config
 
-from dflash_mp.models.xpress import XPressRefiner, jacobi_rounds, refined_logits
+from dflash_mp.models.xpress import XPressRefiner, jacobi_rounds, refined_logits, teacher_forced
 from dflash_mp.objective.draft_blocks import loss_decay
 from dflash_mp.objective.xpress_loss import XPressWeights, xpress_terms
 
@@ -212,16 +212,19 @@ def test_passes_and_loss_terms_equal_the_reference(weights, reference_kwargs):
     model = reference_model()
     case = Case(4)
     loss, metrics, biases = run_reference(model, case, **reference_kwargs)
-    ours_loss, terms, teacher = run_ours(ours_from(model), case, weights)
+    ours_loss, terms, correct = run_ours(ours_from(model), case, weights)
 
     base = case.base.view(BLOCKS, BLOCK, VOCAB)
+    cache = ours_from(model).hidden_cache(case.hidden.view(BLOCKS, BLOCK, HIDDEN))
+    teacher = teacher_forced(ours_from(model), base, cache, case.labels(), case.before_anchor())
     exact(teacher, base + biases[0])  # the teacher-forced pass
+    mask = case.mask.view(BLOCKS, BLOCK).bool()
+    assert torch.equal(correct, ((base + biases[0]).argmax(-1) == case.labels()) & mask)
     exact(terms["tf_loss"], metrics["tf_loss_sum"])
     rounds = weights.consistency_passes if weights.consistency_weight > 0 else 0
     assert len(biases) == 1 + rounds
     if rounds:
         exact(terms["consistency_loss"], metrics["consistency_loss_sum"])
-        cache = ours_from(model).hidden_cache(case.hidden.view(BLOCKS, BLOCK, HIDDEN))
         ours_rounds = jacobi_rounds(
             ours_from(model), base, cache, case.labels()[:, 0], case.before_anchor(), rounds
         )

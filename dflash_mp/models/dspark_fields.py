@@ -1,7 +1,8 @@
 """A DSpark drafter's config fields (`dflash_config`), their defaults and checks: torch-free, so the
 launcher's preflight (config/dspark_checks.py) reads them without importing the heads (dspark.py).
-Also the rows per chunk of its loss's vocabulary-sized work (objective/dspark_loss.py `row_terms`),
-which the memory model (plan/memory_heads.py) predicts from."""
+Also the rows per chunk of its loss's vocabulary-sized work (objective/dspark_loss.py `row_terms`)
+and the blocks per chunk of XPress's (objective/xpress_loss.py `xpress_terms`), which the memory
+model (plan/memory_heads.py) predicts from."""
 
 from __future__ import annotations
 
@@ -49,3 +50,9 @@ DSPARK_CHUNK_MAX_ROWS = 1024
 def dspark_chunk_rows(vocab: int) -> int:
     """Rows of one chunk of DSpark's row terms at vocabulary size `vocab`."""
     return min(DSPARK_CHUNK_MAX_ROWS, max(1, DSPARK_CHUNK_ELEMENTS // vocab))
+
+
+def xpress_chunk_blocks(vocab: int, block_size: int) -> int:
+    """Blocks of one chunk of XPress's loss: DSpark's rows rounded down to whole blocks, at least
+    one (a block's Jacobi passes and D-PACE weights read only that block, so chunks split there)."""
+    return max(1, dspark_chunk_rows(vocab) // block_size)

@@ -13,6 +13,8 @@ Training unrolls the same recurrence (`dflash_mp.objective.xpress_loss`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,6 +74,41 @@ def previous_tokens(block: torch.Tensor, before_anchor: torch.Tensor) -> torch.T
     return torch.cat([before_anchor[:, None], block[:, :-1]], dim=1)
 
 
+def teacher_forced(
+    refiner: XPressRefiner,
+    base_logits: torch.Tensor,
+    cache: torch.Tensor,
+    labels: torch.Tensor,
+    before_anchor: torch.Tensor,
+) -> torch.Tensor:
+    """The refined logits [N, Bs, V] given the true previous tokens (labels [N, Bs], the anchor at
+    index 0): the training loss's teacher-forced pass."""
+    return base_logits + refiner.block_bias(previous_tokens(labels, before_anchor), cache)
+
+
+def jacobi_passes(
+    refiner: XPressRefiner,
+    base_logits: torch.Tensor,
+    cache: torch.Tensor,
+    anchor: torch.Tensor,
+    before_anchor: torch.Tensor,
+    passes: int,
+) -> Iterator[torch.Tensor]:
+    """The refined logits [N, Bs, V] of each of `passes` Jacobi passes, one at a time (the loss
+    keeps no more than it needs of each).
+
+    Pass 0 conditions on the drafter's own argmax; pass j on pass j-1's argmax, with index 0 held
+    at the anchor (it is known, not predicted). The argmax carries no gradient between passes, as
+    in the reference's consistency rounds and its serving loop.
+    """
+    guess = base_logits.detach().argmax(dim=-1)
+    for _ in range(passes):
+        guess[:, 0] = anchor
+        refined = base_logits + refiner.block_bias(previous_tokens(guess, before_anchor), cache)
+        yield refined
+        guess = refined.detach().argmax(dim=-1)
+
+
 def jacobi_rounds(
     refiner: XPressRefiner,
     base_logits: torch.Tensor,
@@ -80,20 +117,8 @@ def jacobi_rounds(
     before_anchor: torch.Tensor,
     passes: int,
 ) -> list[torch.Tensor]:
-    """The refined logits [N, Bs, V] of each of `passes` Jacobi passes.
-
-    Pass 0 conditions on the drafter's own argmax; pass j on pass j-1's argmax, with index 0 held
-    at the anchor (it is known, not predicted). The argmax carries no gradient between passes, as
-    in the reference's consistency rounds and its serving loop.
-    """
-    guess = base_logits.detach().argmax(dim=-1)
-    rounds = []
-    for _ in range(passes):
-        guess[:, 0] = anchor
-        refined = base_logits + refiner.block_bias(previous_tokens(guess, before_anchor), cache)
-        rounds.append(refined)
-        guess = refined.detach().argmax(dim=-1)
-    return rounds
+    """Every pass of `jacobi_passes`, as a list."""
+    return list(jacobi_passes(refiner, base_logits, cache, anchor, before_anchor, passes))
 
 
 def refined_logits(

@@ -10,19 +10,30 @@ As `speculators.models.xpress` trains it, with every cross-entropy on the data t
 Each CE is sum(mask * decay * ce) / (sum(mask) + 1e-8) over the micro-batch's block positions,
 the reference's reduction (the DFlash loss divides by sum(decay) instead); `base_anchor_full_weight`
 drops the decay from the anchor term. With train.position_weights=dpace every decayed term takes
-D-PACE weights from its own CE instead of the decay, as the reference's terms do. Logits are materialised ([blocks * Bs, V]), as the reference
-does.
+D-PACE weights from its own CE instead of the decay, as the reference's terms do.
+
+Unlike the reference, the logits are not materialised for the whole micro-batch: every pass's
+[blocks * Bs, V] (about 5 GB fp32 per pass at Qwen3-8B's 8192 block rows) would not fit beside a
+target. The head's logits, the passes and their CEs run a chunk of whole blocks at a time
+(`xpress_chunk_blocks`), each chunk recomputed in the backward (activation checkpointing), so at
+most one chunk's [rows, V] tensors are alive. A block's passes, argmaxes and D-PACE weights read
+only that block, so each chunk returns its weighted CE per position and each term is summed over
+the micro-batch and divided by its scored count once: the unchunked loss and terms to the bit, and
+its gradients up to the order in which the chunks' shares are summed (tests/test_xpress_chunks.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
-from dflash_mp.models.xpress import XPressRefiner, jacobi_rounds, previous_tokens
+from dflash_mp.models.dspark_fields import xpress_chunk_blocks
+from dflash_mp.models.xpress import XPressRefiner, jacobi_passes, teacher_forced
 from dflash_mp.objective.draft_blocks import DraftBlocks
 from dflash_mp.objective.position_weights import dpace_weights
 
@@ -41,87 +52,140 @@ class XPressWeights(NamedTuple):
     dpace_alpha: float | None = None  # train.position_weights=dpace; None: the decay
 
 
-def data_ce(
+def weighted_ce(
     logits: Tensor, labels: Tensor, mask: Tensor, decay: Tensor | None, dpace_alpha: float | None = None
 ) -> Tensor:
-    """sum(mask * decay * CE(logits, labels)) / (sum(mask) + 1e-8); logits [N, Bs, V], the rest
-    [N, Bs]. decay None: no position weights; `dpace_alpha`: D-PACE weights from this CE instead."""
+    """mask * decay * CE(logits, labels) [N, Bs], what one CE term sums; logits [N, Bs, V], the rest
+    [N, Bs]. decay None: no position weights; `dpace_alpha`: D-PACE weights from this CE instead
+    (per block, so whole blocks of a chunk have the values they have in the micro-batch)."""
     ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.reshape(-1), reduction="none").view(mask.shape)
     weight = mask.float()
     if decay is not None and dpace_alpha is not None:
         weight = dpace_weights(ce, mask, dpace_alpha)
     elif decay is not None:
         weight = weight * decay.float()
-    return (ce * weight).sum() / (mask.float().sum() + _DENOMINATOR_EPS)
+    return ce * weight
 
 
-def xpress_terms(
+def consistency_rounds(weights: XPressWeights) -> int:
+    """The Jacobi rounds the consistency term runs (0 without a weight)."""
+    if weights.consistency_weight > 0 and weights.consistency_passes > 0:
+        return weights.consistency_passes
+    return 0
+
+
+def _chunk_terms(
     refiner: XPressRefiner,
-    base_logits: Tensor,
+    to_logits: Callable[[Tensor], Tensor] | None,
+    base: Tensor,
     hidden: Tensor,
     labels: Tensor,
     before_anchor: Tensor,
     mask: Tensor,
     decay: Tensor,
     weights: XPressWeights,
-) -> tuple[Tensor, dict[str, Tensor], Tensor]:
-    """(loss, {term: value}, teacher-forced refined logits) of blocks [N, Bs]: base_logits
-    [N, Bs, V] and hidden [N, Bs, H] of the drafter, labels [N, Bs] the data tokens (index 0 the
-    anchor's own), before_anchor [N] the token before each anchor, mask [N, Bs] the scored
-    positions (never index 0), decay [N, Bs] the position weights."""
+) -> tuple[Tensor, Tensor]:
+    """(each pass's `weighted_ce` [P, n, Bs]: teacher-forced, each round, the base anchor; the
+    teacher-forced argmax == label & mask [n, Bs]) of a chunk of blocks (`xpress_terms`' arguments)."""
+    base = base if to_logits is None else to_logits(base)
     cache = refiner.hidden_cache(hidden)
-    teacher = base_logits + refiner.block_bias(previous_tokens(labels, before_anchor), cache)
     alpha = weights.dpace_alpha
-    tf_loss = data_ce(teacher, labels, mask, decay, alpha)
-    loss, terms = tf_loss, {"tf_loss": tf_loss.detach()}
-    if weights.consistency_weight > 0 and weights.consistency_passes > 0:
-        rounds = jacobi_rounds(
-            refiner, base_logits, cache, labels[:, 0], before_anchor, weights.consistency_passes
-        )
-        consistency = torch.stack([data_ce(r, labels, mask, decay, alpha) for r in rounds]).mean()
+    teacher = teacher_forced(refiner, base, cache, labels, before_anchor)
+    terms = [weighted_ce(teacher, labels, mask, decay, alpha)]
+    correct = (teacher.detach().argmax(-1) == labels) & mask
+    del teacher  # each pass's [n, Bs, V] goes once its CE has what the backward needs
+    passes = jacobi_passes(refiner, base, cache, labels[:, 0], before_anchor, consistency_rounds(weights))
+    terms += [weighted_ce(refined, labels, mask, decay, alpha) for refined in passes]
+    if weights.base_anchor_weight > 0:
+        anchor_decay = None if weights.base_anchor_full_weight else decay
+        terms.append(weighted_ce(base, labels, mask, anchor_decay, alpha))
+    return torch.stack(terms), correct
+
+
+def xpress_terms(
+    refiner: XPressRefiner,
+    base: Tensor,
+    hidden: Tensor,
+    labels: Tensor,
+    before_anchor: Tensor,
+    mask: Tensor,
+    decay: Tensor,
+    weights: XPressWeights,
+    to_logits: Callable[[Tensor], Tensor] | None = None,
+    chunk_blocks: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+    """(loss, {term: value}, teacher-forced argmax == label on scored positions [N, Bs]) of blocks
+    [N, Bs]: base [N, Bs, V] the drafter's logits, or what `to_logits` makes them of a chunk of it;
+    hidden [N, Bs, H] the drafter's; labels [N, Bs] the data tokens (index 0 the anchor's own),
+    before_anchor [N] the token before each anchor, mask [N, Bs] the scored positions (never index
+    0), decay [N, Bs] the position weights. `chunk_blocks` blocks at a time (default:
+    `xpress_chunk_blocks`), each recomputed in the backward."""
+    vocab, block_size = refiner.readout.weight.shape[0], labels.shape[1]
+    chunk = chunk_blocks or xpress_chunk_blocks(vocab, block_size)
+    rows_ce, correct = [], []
+    for start in range(0, labels.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        args = (refiner, to_logits, base[rows], hidden[rows], labels[rows], before_anchor[rows])
+        args += (mask[rows], decay[rows], weights)
+        if torch.is_grad_enabled():
+            chunk_ce, chunk_correct = checkpoint(_chunk_terms, *args, use_reentrant=False)
+        else:
+            chunk_ce, chunk_correct = _chunk_terms(*args)
+        rows_ce.append(chunk_ce)
+        correct.append(chunk_correct)
+    # Each term's sum over the whole micro-batch at once (the unchunked sum's order), then over the
+    # micro-batch's scored count, the reference's reduction.
+    sums = torch.stack([term.sum() for term in torch.cat(rows_ce, dim=1)])
+    values = sums / (mask.float().sum() + _DENOMINATOR_EPS)
+    loss, terms = values[0], {"tf_loss": values[0].detach()}
+    rounds = consistency_rounds(weights)
+    if rounds:
+        consistency = values[1 : 1 + rounds].mean()
         loss = loss + weights.consistency_weight * consistency
         terms["consistency_loss"] = consistency.detach()
     if weights.base_anchor_weight > 0:
-        anchor_decay = None if weights.base_anchor_full_weight else decay
-        anchor_term = data_ce(base_logits, labels, mask, anchor_decay, alpha)
-        loss = loss + weights.base_anchor_weight * anchor_term
-        terms["base_anchor_loss"] = anchor_term.detach()
-    return loss, terms, teacher
+        loss = loss + weights.base_anchor_weight * values[-1]
+        terms["base_anchor_loss"] = values[-1].detach()
+    return loss, terms, torch.cat(correct)
 
 
 def xpress_drafter_loss(
-    drafter: nn.Module, hidden: Tensor, head_weight: Tensor, blocks: DraftBlocks, xpress: XPressWeights
+    drafter: nn.Module,
+    hidden: Tensor,
+    head_weight: Tensor,
+    blocks: DraftBlocks,
+    xpress: XPressWeights,
+    chunk_blocks: int | None = None,
 ) -> tuple[Tensor, dict]:
     """The XPress loss of a micro-batch and its `LossStats` (lm_head_loss.py) plus stats["xpress"]:
     hidden [B, N*Bs, H] of every block row; the blocks' labels/weights [B, N, Bs] (`block_labels`:
     weight = decay * scored) and before_anchor [B, N]. Accuracy is the teacher-forced refined
-    argmax's, as the reference reports it."""
+    argmax's, as the reference reports it. The head's logits too are made a chunk at a time."""
     labels, weights, before_anchor = blocks.labels, blocks.weights, blocks.before_anchor
     block_size = labels.shape[-1]
     hidden = hidden.reshape(-1, block_size, hidden.shape[-1])
-    base = drafter.logits(hidden, lambda h: F.linear(h, head_weight.to(h.dtype)))
     mask = weights > 0
     decay = torch.where(mask, weights, 0.0)  # weights are decay on scored positions, 0 elsewhere
     flat = (-1, block_size)
-    loss, terms, teacher = xpress_terms(
+    loss, terms, correct = xpress_terms(
         drafter.refiner_head,
-        base,
+        hidden,
         hidden,
         labels.reshape(flat),
         before_anchor.reshape(-1),
         mask.reshape(flat),
         decay.reshape(flat),
         xpress,
+        to_logits=lambda h: drafter.logits(h, lambda x: F.linear(x, head_weight.to(x.dtype))),
+        chunk_blocks=chunk_blocks,
     )
     with torch.no_grad():
-        scored = mask.reshape(flat)
-        correct = (teacher.argmax(-1) == labels.reshape(flat)) & scored
         packed = torch.stack([terms.get(name, torch.zeros((), device=loss.device)) for name in XPRESS_TERMS])
     stats = {
         "correct": correct.sum(0),
-        "count": scored.sum(0),
-        # Every term is over the scored count (data_ce, as the reference): that is the micro-batch's
-        # share of the global batch, so its loss x count sums over micro-batches, ranks and documents.
+        "count": mask.reshape(flat).sum(0),
+        # Every term is over the scored count (as the reference): that is the micro-batch's share
+        # of the global batch, so its loss x count sums over micro-batches, ranks and documents.
         "weight_sum": mask.float().sum(),
         "xpress": packed.float(),
     }

@@ -67,9 +67,10 @@ class Constants:
     lm_head_bytes_per_logit: float = 4.0
     # DSpark: fp32 copies of one chunk's [rows, V] (objective/dspark_loss.py row_terms): the draft's
     # logits, log-softmax and softmax and the teacher's softmax, then the recomputed chunk's
-    # gradients in the backward. XPress: per pass, the fp32 log-softmax its CE keeps, per row and
-    # vocabulary entry, and beside them one pass's backward and the base logits' gradient. Counted
-    # from the code, not yet fitted to a measured peak.
+    # gradients in the backward. XPress, per row of its chunk of blocks (objective/xpress_loss.py
+    # xpress_terms, recomputed in the backward): per pass, the fp32 log-softmax its CE keeps, and
+    # beside them the head's logits, one pass's backward and the logits' gradient. Counted from the
+    # code, not yet fitted to a measured peak.
     dspark_chunk_copies: float = 6.0
     xpress_pass_bytes: float = 4.0
     xpress_transient_bytes: float = 12.0

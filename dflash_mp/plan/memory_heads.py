@@ -8,9 +8,10 @@
   - dspark: one chunk of rows (objective/dspark_loss.py `row_terms`): the draft's logits, their
     log-softmax and softmax, the teacher's softmax, and in the backward the chunk recomputed with
     its gradients; the rows per chunk are the code's own (models/dspark_fields.py);
-  - xpress: the logits of every pass over every block row (objective/xpress_loss.py: the
-    teacher-forced pass, each consistency round and the base anchor, as the reference computes
-    them), whose CE keeps a log-softmax per pass for the backward.
+  - xpress: one chunk of whole blocks (objective/xpress_loss.py `xpress_terms`): the head's
+    logits and, per pass (the teacher-forced one, each consistency round, the base anchor), the
+    log-softmax its CE keeps, recomputed in the backward beside that backward's gradients; the
+    blocks per chunk are the code's own (models/dspark_fields.py).
 
 Pure Python, as memory.py; the shapes and constants are memory.py's.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_mp.models.dspark_fields import dspark_chunk_rows
+from dflash_mp.models.dspark_fields import dspark_chunk_rows, xpress_chunk_blocks
 
 # The arguments are memory.py's TrainingShape `t` and Constants `c` (typed Any: memory.py imports
 # this module, and the package map allows no circle, type-only imports included).
@@ -70,11 +71,12 @@ def vocabulary_work(t: TrainingShape, c: Constants) -> tuple[str, float, str]:
             "(draft and teacher logits, softmaxes, gradients)",
         )
     if t.arch == "xpress":
+        chunk = xpress_chunk_blocks(v, t.block_size) * t.block_size
         per_row = t.xpress_passes * c.xpress_pass_bytes + c.xpress_transient_bytes
         return (
-            "XPress logits per pass",
-            rows * v * per_row,
-            f"{rows_formula} x V x ({t.xpress_passes} passes x {c.xpress_pass_bytes:g} B "
+            "XPress vocabulary chunk",
+            min(chunk, rows) * v * per_row,
+            f"min({chunk}, {rows_formula}) x V x ({t.xpress_passes} passes x {c.xpress_pass_bytes:g} B "
             f"+ {c.xpress_transient_bytes:g} B in flight)",
         )
     chunk = min(c.lm_head_chunk_rows, rows) * v * c.lm_head_bytes_per_logit
