@@ -12,6 +12,7 @@ tap or a recurrent state crossing the boundary) is off by 7e-3 to 0.5 here.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import socket
@@ -402,3 +403,27 @@ def test_compiled_graphed_packed_forward_equals_each_document_alone(family: str)
     else:  # a transformers whose deltanet reaches its kernels through attributes (5.17): one row per document
         assert family == "qwen3_5" and "gated deltanets" in extractor.packing.reason, extractor.packing.reason
     torch._dynamo.reset()
+
+
+def test_documents_that_cross_in_the_rows_are_caught_on_the_first_call(monkeypatch) -> None:
+    """A decoder whose masks let a document see the one before it passes every structural check;
+    the first packed call with two documents in a row finds it and goes one row per document."""
+    extractor = TargetFeatureExtractor(ensure_family_target("llama3"), LAYER_IDS, torch.float32, "cpu")
+    ids, document_ids = _packed_batch()
+    single = torch.where(document_ids >= 0, 0, -1)[:, :20]  # one document per row: nothing to check
+    extractor(ids[:, :20], single)
+    assert extractor.packing.in_rows and not extractor._packed_forward_ran
+
+    @contextlib.contextmanager
+    def no_masks(decoder, rows, packing):
+        yield
+
+    # Remote code that takes position_ids and ignores them, building one causal mask per row.
+    forward = extractor.decoder.forward
+    monkeypatch.setattr(packed_target, "documents_in_rows", no_masks)
+    monkeypatch.setattr(extractor.decoder, "forward", lambda position_ids=None, **kwargs: forward(**kwargs))
+    packed = extractor(ids, document_ids)
+    assert (
+        not extractor.packing.in_rows and "when only the first document changed" in extractor.packing.reason
+    )
+    assert _worst_document_error(extractor, ids, packed) < TOLERANCE  # the fallback is exact

@@ -12,7 +12,10 @@ of the loaded decoder (`plan`):
   document's first token (linear_attention.py; transformers' own forward of such a layer gets the
   same through its module's two functions, patched for the call). Static shapes and no host read:
   compiled layers and CUDA graphs take it as they take unpacked rows. For decoders whose every
-  position-mixing module is one of these.
+  position-mixing module is one of these, and that pass the check of the first packed call with
+  two documents in a row (`crossing`: the later documents' features unmoved with the first
+  document changed, and at the start of the row), which catches what the structure cannot show
+  (a transformers version whose Llama 4 scales queries by the row's positions, not the document's).
 - one row per document: any other decoder (a convolution, a state-space or other recurrent layer,
   remote code with masks of its own, an attention kernel that may ignore the masks). The documents
   are taken out into rows of their own [documents, longest], run as unpacked rows, and their
@@ -35,7 +38,7 @@ import torch
 from torch import nn
 
 from dflash_mp.models import linear_attention, target_flex_attention, target_graphs
-from dflash_mp.models.packed_rows import document_positions, document_starts
+from dflash_mp.models.packed_rows import document_index, document_positions, document_starts
 
 # Layer types whose attention takes transformers' packed-sequence masks (linear_attention: only
 # where its modules are gated deltanets handled here).
@@ -53,8 +56,11 @@ _MIXING_WORDS = (
     "gru", "scan", "shift", "timemix",
 )  # fmt: skip
 _MIXING_PHRASES = (("linear", "attention"), ("state", "space"))
-# What transformers' gated-deltanet forward runs through its module's globals (patched per call).
-_DELTANET_FUNCTIONS = ("causal_conv1d_forward", "torch_chunk_gated_delta_rule")
+# What transformers' gated-deltanet forward runs through its module's globals (patched per call):
+# the recurrence, and the convolution under the name of its version (5.25: causal_conv1d_forward,
+# given the conv module; 5.17: causal_conv1d_fn, given its weights).
+_RECURRENCE_FUNCTION = "torch_chunk_gated_delta_rule"
+_CONV_FUNCTIONS = ("causal_conv1d_forward", "causal_conv1d_fn")
 # masking_utils' builders of the masks that take packed sequences (from position_ids).
 _MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
 
@@ -137,7 +143,7 @@ def _mixes_positions(module: nn.Module) -> bool:
 def handles_gated_deltanet(module: nn.Module) -> bool:
     """A gated deltanet whose state is reset per document here: on linear_attention.py's forward,
     or on transformers' forward that runs its convolution and recurrence through the module-level
-    functions `_DELTANET_FUNCTIONS` (patched for a packed call)."""
+    functions (`_RECURRENCE_FUNCTION` and one of `_CONV_FUNCTIONS`, patched for a packed call)."""
     if linear_attention.uses_fast_forward(module):
         return True
     cls = type(module)
@@ -145,11 +151,17 @@ def handles_gated_deltanet(module: nn.Module) -> bool:
         getattr(module, "conv1d", None), nn.Conv1d
     ):
         return False
+    return _RECURRENCE_FUNCTION in _module_functions(cls) and bool(
+        _module_functions(cls) & set(_CONV_FUNCTIONS)
+    )
+
+
+def _module_functions(cls: type) -> set[str]:
+    """The module-level callables of `cls`'s module that its forward calls by name."""
     code = getattr(inspect.unwrap(cls.forward), "__code__", None)
     defining = sys.modules.get(cls.__module__)
-    return code is not None and all(
-        name in code.co_names and callable(getattr(defining, name, None)) for name in _DELTANET_FUNCTIONS
-    )
+    names = code.co_names if code is not None else ()
+    return {name for name in names if callable(getattr(defining, name, None))}
 
 
 # ---------------------------------------------------------------- documents in their rows
@@ -205,9 +217,18 @@ def _given_positions(build: Callable, positions: torch.Tensor) -> Callable:
 
 @contextmanager
 def _per_document_functions(module: ModuleType) -> Iterator[None]:
-    saved = {name: getattr(module, name) for name in _DELTANET_FUNCTIONS}
-    module.causal_conv1d_forward = _per_document_conv(saved["causal_conv1d_forward"])
-    module.torch_chunk_gated_delta_rule = _per_document_recurrence(saved["torch_chunk_gated_delta_rule"])
+    names = [
+        _RECURRENCE_FUNCTION,
+        *(name for name in _CONV_FUNCTIONS if callable(getattr(module, name, None))),
+    ]
+    saved = {name: getattr(module, name) for name in names}
+    wrappers = {
+        _RECURRENCE_FUNCTION: _per_document_recurrence,
+        "causal_conv1d_forward": _per_document_conv,
+        "causal_conv1d_fn": _per_document_conv_fn,
+    }
+    for name, original in saved.items():
+        setattr(module, name, wrappers[name](original))
     try:
         yield
     finally:
@@ -230,6 +251,17 @@ def _per_document_conv(original: Callable) -> Callable:
         return per_document_conv(hidden_states, conv1d.weight, conv1d.bias, activation, rows.positions)
 
     return causal_conv1d_forward
+
+
+def _per_document_conv_fn(original: Callable) -> Callable:
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        rows = _rows_for(hidden_states, 2)
+        if rows is None:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        # [B, C, S] in and out, the depthwise weight [C, K].
+        return per_document_conv(hidden_states, weight, bias, activation, rows.positions)
+
+    return causal_conv1d_fn
 
 
 def _per_document_recurrence(original: Callable) -> Callable:
@@ -298,3 +330,58 @@ def per_document_forward(
     out = features.new_zeros((*input_ids.shape, features.shape[-1]))
     out[rows, cols] = features[document, position]
     return out
+
+
+# ---------------------------------------------------------------- checked on the first packed call
+
+# How far a later document's features may move when only the document before it changes: kernel
+# tiling and MoE grouping may differ between the two calls; a crossing moves them by far more.
+_UNMOVED = {torch.float32: 1e-4, torch.float64: 1e-8}
+_UNMOVED_LOW_PRECISION = 2e-2
+
+
+class NothingToCheck(Exception):
+    """No row of the batch holds two documents."""
+
+
+def crossing(
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    input_ids: torch.Tensor,
+    document_ids: torch.Tensor,
+    features: torch.Tensor,
+    vocab_size: int,
+) -> str | None:
+    """Why documents in the rows are not apart on this decoder, or None when they are, from two
+    more calls of `forward` (the in-rows forward) at the same shape. The documents after each row's
+    first must keep their `features` (1) with the first document's tokens changed (nothing crosses
+    into them) and (2) moved to the row's start, the first document after them (their positions
+    restart). Structure alone cannot show this: a transformers version whose masks or position
+    terms ignore the packed positions, a layer that keeps state across documents.
+    Raises NothingToCheck when no row holds two documents."""
+    real = document_ids >= 0
+    first = (document_index(document_ids) == 0) & real
+    later = real & ~first
+    if not bool(later.any()):
+        raise NothingToCheck
+    changed = torch.where(first, (input_ids + 1) % vocab_size, input_ids)
+    error = _moved(forward(changed, document_ids)[later], features[later])
+    if error > _unmoved(features.dtype):
+        return f"the later documents' features moved by {error:.2g} (relative) when only the first document changed"
+    # Later documents first, then the first one, then the padding (a stable sort keeps each in order).
+    order = torch.sort(torch.where(later, 0, torch.where(first, 1, 2)), dim=1, stable=True).indices
+    moved = forward(input_ids.gather(1, order), document_ids.gather(1, order))
+    at_start = later.gather(1, order)
+    expected = features.gather(1, order[..., None].expand_as(features))
+    error = _moved(moved[at_start], expected[at_start])
+    if error > _unmoved(features.dtype):
+        return f"the later documents' features moved by {error:.2g} (relative) at the start of their rows"
+    return None
+
+
+def _unmoved(dtype: torch.dtype) -> float:
+    return _UNMOVED.get(dtype, _UNMOVED_LOW_PRECISION)
+
+
+def _moved(after: torch.Tensor, before: torch.Tensor) -> float:
+    before = before.float()
+    return float((after.float() - before).norm() / before.norm().clamp_min(torch.finfo(torch.float32).tiny))

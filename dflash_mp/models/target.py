@@ -271,26 +271,41 @@ class TargetFeatureExtractor(nn.Module):
             raise ValueError(f"document_ids {list(document_ids.shape)} for input_ids {list(input_ids.shape)}")
         document_ids = document_ids.to(input_ids.device)
         if self.packing.in_rows and not self._packed_forward_ran:
-            try:
-                features = self._forward_in_rows(input_ids, document_ids)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a decoder the structural checks did not foresee
-                cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                reason = f"its forward with documents in the rows failed: {cause}"
-                self._packing = packed_target.PackingPlan(False, reason)
-                log.warning("target %s: %s", type(self.decoder).__name__, self._packing.describe())
-                if getattr(self, "kernels", {}).get("attention") == target_kernels.DOCUMENT_FLEX:
-                    # The rows run one per document now: causal SDPA, not the kernel that may have failed.
-                    self.decoder.config._attn_implementation = "sdpa"
-                    self.kernels["attention"] = "sdpa"
-            else:
-                self._packed_forward_ran = True
+            features = self._first_forward_in_rows(input_ids, document_ids)
+            if features is not None:
                 return features
         if self.packing.in_rows:
             return self._forward_in_rows(input_ids, document_ids)
         with torch.inference_mode():
             return packed_target.per_document_forward(self._forward_eager, input_ids, document_ids)
+
+    def _first_forward_in_rows(
+        self, input_ids: torch.Tensor, document_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The in-rows forward until one has run and been checked (`packed_target.crossing`); None
+        after falling back to one row per document, when it failed or let documents cross."""
+        try:
+            features = self._forward_in_rows(input_ids, document_ids)
+            vocab = self.decoder.get_input_embeddings().num_embeddings
+            reason = packed_target.crossing(self._forward_eager, input_ids, document_ids, features, vocab)
+        except torch.OutOfMemoryError:
+            raise
+        except packed_target.NothingToCheck:  # no row with two documents yet: a later call checks
+            return features
+        except Exception as e:  # noqa: BLE001 - a decoder the structural checks did not foresee
+            reason = f"its forward with documents in the rows failed: {type(e).__name__}: " + (
+                str(e).splitlines()[0] if str(e) else ""
+            )
+        if reason is None:
+            self._packed_forward_ran = True
+            return features
+        self._packing = packed_target.PackingPlan(False, reason)
+        log.warning("target %s: %s", type(self.decoder).__name__, self._packing.describe())
+        if getattr(self, "kernels", {}).get("attention") == target_kernels.DOCUMENT_FLEX:
+            # The rows run one per document now: causal SDPA, not the kernel that may have failed.
+            self.decoder.config._attn_implementation = "sdpa"
+            self.kernels["attention"] = "sdpa"
+        return None
 
     def _forward_in_rows(self, input_ids: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
         if self._graphed is not None:
