@@ -15,7 +15,8 @@ of the loaded decoder (`plan`):
   position-mixing module is one of these, and that pass the check of the first packed call with
   two documents in a row (`crossing`: the later documents' features unmoved with the first
   document changed, and at the start of the row), which catches what the structure cannot show
-  (a transformers version whose Llama 4 scales queries by the row's positions, not the document's).
+  (the tiny Llama 4 of the family matrix on transformers 5.17 moves by half when its
+  documents move).
 - one row per document: any other decoder (a convolution, a state-space or other recurrent layer,
   remote code with masks of its own, an attention kernel that may ignore the masks). The documents
   are taken out into rows of their own [documents, longest], run as unpacked rows, and their
