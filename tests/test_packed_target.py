@@ -427,3 +427,22 @@ def test_documents_that_cross_in_the_rows_are_caught_on_the_first_call(monkeypat
         not extractor.packing.in_rows and "when only the first document changed" in extractor.packing.reason
     )
     assert _worst_document_error(extractor, ids, packed) < TOLERANCE  # the fallback is exact
+
+
+def test_llama4_rows_wider_than_its_temperature_floor_go_one_row_per_document() -> None:
+    """Llama 4's layers without RoPE scale their queries by the position in the row (not in the
+    document) once it reaches floor_scale: wider rows run one row per document, narrower stay."""
+    extractor = TargetFeatureExtractor(ensure_family_target("llama4"), LAYER_IDS, torch.float32, "cpu")
+    extractor.decoder.config.floor_scale = 8
+    for module in extractor.decoder.modules():
+        if hasattr(module, "floor_scale"):
+            module.floor_scale = 8
+    assert extractor.packing.widest_row == 7 and "rows over 7 tokens" in extractor.packing.describe()
+    ids, document_ids = _packed_batch()
+    assert not extractor.packing.in_rows_of(ids.shape[1]) and extractor.packing.in_rows_of(7)
+    packed = extractor(ids, document_ids)
+    assert _worst_document_error(extractor, ids, packed) < TOLERANCE
+    narrow = [[3, 4], [7]]
+    ids, document_ids = _packed_batch(lengths=narrow, seq=7)
+    assert _worst_document_error(extractor, ids, extractor(ids, document_ids), narrow) < TOLERANCE
+    assert extractor._packed_forward_ran  # the narrow rows ran in the rows, checked

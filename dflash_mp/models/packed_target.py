@@ -72,10 +72,16 @@ class PackingPlan:
     reason: str
     mask_module: ModuleType | None = field(default=None, repr=False)  # the decoder's (its mask builders)
     deltanet_modules: tuple[ModuleType, ...] = field(default=(), repr=False)  # their functions patched
+    widest_row: int | None = None  # wider rows go one row per document (`_widest_row`)
 
     def describe(self) -> str:
         where = "stay in their rows" if self.in_rows else "run one row per document"
-        return f"packed rows: documents {where} ({self.reason})"
+        wider = f"; rows over {self.widest_row} tokens one row per document" if self.widest_row else ""
+        return f"packed rows: documents {where} ({self.reason}{wider})"
+
+    def in_rows_of(self, width: int) -> bool:
+        """Whether rows `width` tokens wide keep their documents in the rows."""
+        return self.in_rows and (self.widest_row is None or width <= self.widest_row)
 
 
 def plan(decoder: nn.Module) -> PackingPlan:
@@ -112,7 +118,19 @@ def plan(decoder: nn.Module) -> PackingPlan:
     reason = f"{attention} attention with per-document masks" + (
         f", {len(deltanets)} gated-deltanet layers reset at each document" if deltanets else ""
     )
-    return PackingPlan(True, reason, mask_module, modules)
+    widest = _widest_row(config)
+    return PackingPlan(True, reason, mask_module, modules, widest)
+
+
+def _widest_row(config) -> int | None:
+    """The widest row whose position terms are all per document, None when every row's are.
+    Llama 4's layers without RoPE scale their queries by the position in the row, not position_ids
+    (transformers' attn_temperature_tuning), by a factor that stays 1 below floor_scale - 1."""
+    if getattr(config, "attn_temperature_tuning", False) and 0 in (
+        getattr(config, "no_rope_layers", None) or []
+    ):
+        return int(getattr(config, "floor_scale", 1)) - 1
+    return None
 
 
 def _position_mixers(decoder: nn.Module) -> tuple[list[nn.Module], list[str]]:

@@ -270,11 +270,11 @@ class TargetFeatureExtractor(nn.Module):
         if document_ids.shape != input_ids.shape:
             raise ValueError(f"document_ids {list(document_ids.shape)} for input_ids {list(input_ids.shape)}")
         document_ids = document_ids.to(input_ids.device)
-        if self.packing.in_rows and not self._packed_forward_ran:
+        if self.packing.in_rows_of(input_ids.shape[1]) and not self._packed_forward_ran:
             features = self._first_forward_in_rows(input_ids, document_ids)
             if features is not None:
                 return features
-        if self.packing.in_rows:
+        if self.packing.in_rows_of(input_ids.shape[1]):
             return self._forward_in_rows(input_ids, document_ids)
         with torch.inference_mode():
             return packed_target.per_document_forward(self._forward_eager, input_ids, document_ids)
