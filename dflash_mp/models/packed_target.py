@@ -13,7 +13,7 @@ of the loaded decoder (`plan`):
   same through its module's two functions, patched for the call). Static shapes and no host read:
   compiled layers and CUDA graphs take it as they take unpacked rows. For decoders whose every
   position-mixing module is one of these, and that pass the check of the first packed call with
-  two documents in a row (`crossing`: the later documents' features unmoved with the first
+  two documents in a row (packed_check.py: the later documents' features unmoved with the first
   document changed, and at the start of the row), which catches what the structure cannot show
   (the tiny Llama 4 of the family matrix on transformers 5.17 moves by half when its
   documents move).
@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from dflash_mp.models import linear_attention, target_flex_attention, target_graphs
-from dflash_mp.models.packed_rows import document_index, document_positions, document_starts
+from dflash_mp.models.packed_rows import document_positions, document_starts
 
 # Layer types whose attention takes transformers' packed-sequence masks (linear_attention: only
 # where its modules are gated deltanets handled here).
@@ -349,58 +349,3 @@ def per_document_forward(
     out = features.new_zeros((*input_ids.shape, features.shape[-1]))
     out[rows, cols] = features[document, position]
     return out
-
-
-# ---------------------------------------------------------------- checked on the first packed call
-
-# How far a later document's features may move when only the document before it changes: kernel
-# tiling and MoE grouping may differ between the two calls; a crossing moves them by far more.
-_UNMOVED = {torch.float32: 1e-4, torch.float64: 1e-8}
-_UNMOVED_LOW_PRECISION = 2e-2
-
-
-class NothingToCheck(Exception):
-    """No row of the batch holds two documents."""
-
-
-def crossing(
-    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    input_ids: torch.Tensor,
-    document_ids: torch.Tensor,
-    features: torch.Tensor,
-    vocab_size: int,
-) -> str | None:
-    """Why documents in the rows are not apart on this decoder, or None when they are, from two
-    more calls of `forward` (the in-rows forward) at the same shape. The documents after each row's
-    first must keep their `features` (1) with the first document's tokens changed (nothing crosses
-    into them) and (2) moved to the row's start, the first document after them (their positions
-    restart). Structure alone cannot show this: a transformers version whose masks or position
-    terms ignore the packed positions, a layer that keeps state across documents.
-    Raises NothingToCheck when no row holds two documents."""
-    real = document_ids >= 0
-    first = (document_index(document_ids) == 0) & real
-    later = real & ~first
-    if not bool(later.any()):
-        raise NothingToCheck
-    changed = torch.where(first, (input_ids + 1) % vocab_size, input_ids)
-    error = _moved(forward(changed, document_ids)[later], features[later])
-    if error > _unmoved(features.dtype):
-        return f"the later documents' features moved by {error:.2g} (relative) when only the first document changed"
-    # Later documents first, then the first one, then the padding (a stable sort keeps each in order).
-    order = torch.sort(torch.where(later, 0, torch.where(first, 1, 2)), dim=1, stable=True).indices
-    moved = forward(input_ids.gather(1, order), document_ids.gather(1, order))
-    at_start = later.gather(1, order)
-    expected = features.gather(1, order[..., None].expand_as(features))
-    error = _moved(moved[at_start], expected[at_start])
-    if error > _unmoved(features.dtype):
-        return f"the later documents' features moved by {error:.2g} (relative) at the start of their rows"
-    return None
-
-
-def _unmoved(dtype: torch.dtype) -> float:
-    return _UNMOVED.get(dtype, _UNMOVED_LOW_PRECISION)
-
-
-def _moved(after: torch.Tensor, before: torch.Tensor) -> float:
-    before = before.float()
-    return float((after.float() - before).norm() / before.norm().clamp_min(torch.finfo(torch.float32).tiny))

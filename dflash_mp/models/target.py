@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
-from dflash_mp.models import packed_target, target_graphs, target_kernels
+from dflash_mp.models import packed_check, packed_target, target_graphs, target_kernels
 from dflash_mp.models.target_checkpoint import checkpoint_bytes
 from dflash_mp.models.target_structure import (
     decoder_layers,
@@ -287,10 +287,10 @@ class TargetFeatureExtractor(nn.Module):
         try:
             features = self._forward_in_rows(input_ids, document_ids)
             vocab = self.decoder.get_input_embeddings().num_embeddings
-            reason = packed_target.crossing(self._forward_eager, input_ids, document_ids, features, vocab)
+            reason = packed_check.crossing(self._forward_eager, input_ids, document_ids, features, vocab)
         except torch.OutOfMemoryError:
             raise
-        except packed_target.NothingToCheck:  # no row with two documents yet: a later call checks
+        except packed_check.NothingToCheck:  # no row with two documents yet: a later call checks
             return features
         except Exception as e:  # noqa: BLE001 - a decoder the structural checks did not foresee
             reason = f"its forward with documents in the rows failed: {type(e).__name__}: " + (
