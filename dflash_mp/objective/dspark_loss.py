@@ -20,8 +20,10 @@ Per micro-batch, on the blocks `draft_blocks` builds (same anchors, block tokens
   reduction, as the DFlash loss under D-PACE).
 
 Vocabulary-sized work (two head matmuls, the Markov projection, the softmaxes) runs a chunk of
-rows at a time, each chunk recomputed in the backward (activation checkpointing), so at most one
-chunk's [rows, V] tensors are alive.
+whole blocks at a time, once, with CE, KL and TV's gradient taken on the spot (dspark_rows.py
+`dspark_row_loss`), so at most one chunk's [rows, V] tensors are alive. `row_terms` and
+`reduce_terms` are the same terms through autograd (each chunk recomputed in the backward under
+activation checkpointing), the reference the tests compare with.
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ from dflash_mp.models.drafter import scale_logits
 from dflash_mp.models.dspark import previous_tokens
 from dflash_mp.models.dspark_fields import dspark_chunk_rows
 from dflash_mp.objective.draft_blocks import block_labels, context_positions
-from dflash_mp.objective.position_weights import dpace_weights
+from dflash_mp.objective.dspark_rows import (
+    RowLossOptions,
+    dspark_row_loss,
+    loss_denominator,
+    term_row_weights,
+)
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,8 @@ def row_terms(
     softcap: float | None = None,
     chunk_rows: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """`_row_terms` over rows [M, ...] a chunk at a time, each chunk recomputed in the backward."""
+    """`_row_terms` over rows [M, ...] a chunk at a time, each chunk recomputed in the backward:
+    with `reduce_terms`, the autograd reference of `dspark_row_loss` (tests/test_dspark_rows.py)."""
     chunk_rows = chunk_rows or dspark_chunk_rows(head.shape[0])
     terms, correct = [], []
     for start in range(0, hidden.shape[0], chunk_rows):
@@ -147,15 +155,17 @@ def term_weights(
     """(weights [M, 3] of the row terms [M, 3], the loss's denominator) from the decay weights [M]:
     the decay and sum(w), or (`dpace_alpha`) each term's D-PACE weights from its own values over
     blocks of `block_size` rows and the count of scored rows (module docstring)."""
-    if dpace_alpha is None:
-        return weights[:, None].expand_as(terms), weights.sum()
-    if block_size is None:
-        raise ValueError("D-PACE weights need the block size")
-    scored = (weights > 0).view(-1, block_size)
-    per_term = [
-        dpace_weights(term.view_as(scored), scored, dpace_alpha).flatten() for term in terms.unbind(-1)
-    ]
-    return torch.stack(per_term, dim=-1), scored.sum().float()
+    return term_row_weights(terms, weights, dpace_alpha, block_size), loss_denominator(weights, dpace_alpha)
+
+
+def confidence_bce(
+    confidence_logits: Tensor | None, accept: Tensor, weights: Tensor, denominator: Tensor
+) -> Tensor:
+    """sum(w * BCE(confidence logit, accept)) / denominator over rows [M] (0 without the head)."""
+    if confidence_logits is None:
+        return torch.zeros((), device=accept.device)
+    elementwise = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept, reduction="none")
+    return (weights * elementwise).sum() / denominator
 
 
 def reduce_terms(
@@ -173,10 +183,7 @@ def reduce_terms(
     denominator = denominator.clamp_min(torch.finfo(torch.float32).tiny)
     ce, kl, tv = ((row_weights * terms).sum(0) / denominator).unbind()
     accept = (1.0 - terms[:, 2].detach()).clamp(0.0, 1.0)
-    bce = torch.zeros((), device=terms.device)
-    if confidence_logits is not None:
-        elementwise = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept, reduction="none")
-        bce = (weights * elementwise).sum() / denominator
+    bce = confidence_bce(confidence_logits, accept, weights, denominator)
     loss = alphas.ce * ce + alphas.kl * kl + alphas.tv * tv + alphas.confidence * bce
     return loss, torch.stack([ce, kl, tv, bce]).detach(), accept
 
@@ -209,6 +216,50 @@ def dspark_metrics_stats(
     return torch.cat([term_values.float(), sums, by_position])
 
 
+def _teacher_rows(
+    features: Tensor, positions: Tensor, seq_len: int, width: int, hidden_size: int
+) -> Tensor | None:
+    """The target's normed last hidden state [M, H] one position before each label (positions
+    [B, N, Bs]), the features' columns after the drafter's `width`; None if they end there."""
+    if features.shape[-1] <= width:
+        return None
+    teacher_rows = (positions - 1).clamp(0, seq_len - 1).flatten(1)
+    last = features[..., width : width + hidden_size]
+    return last.gather(1, teacher_rows[..., None].expand(-1, -1, hidden_size)).flatten(0, 1)
+
+
+def _rows_loss(
+    module: nn.Module,
+    rows: tuple[Tensor, Tensor | None, Tensor | None, Tensor],
+    head_weight: Tensor,
+    weights: Tensor,
+    confidence: Tensor | None,
+    alphas: DSparkLossWeights,
+    dpace_alpha: float | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`reduce_terms(row_terms(*rows, ...), confidence, weights, ...)` for the rows [M] (hidden
+    states, Markov features, teacher rows, labels) and (accept [M], argmax == label [M]), with the
+    gradient of CE, KL and TV taken in one pass over the vocabulary (`dspark_row_loss`)."""
+    options = RowLossOptions(
+        (alphas.ce, alphas.kl, alphas.tv),
+        module.block_size,
+        dpace_alpha,
+        module.output_multiplier,
+        module.final_logit_softcapping,
+    )
+    w2 = None if module.markov_head is None else module.markov_head.markov_w2.weight
+    hidden, markov, teacher, labels = rows
+    rows_loss, values, terms, correct = dspark_row_loss(
+        hidden, markov, teacher, labels, head_weight, w2, weights, options
+    )
+    # The BCE as `reduce_terms` takes it: against 1 - TV (no gradient), on the decay weights.
+    denominator = loss_denominator(weights, dpace_alpha).clamp_min(torch.finfo(torch.float32).tiny)
+    accept = (1.0 - terms[:, 2]).clamp(0.0, 1.0)
+    bce = confidence_bce(confidence, accept, weights, denominator)
+    loss = rows_loss + alphas.confidence * bce
+    return loss, torch.cat([values, bce.detach()[None]]), accept, correct
+
+
 def dspark_loss(
     drafter: nn.Module,
     embed_weight: Tensor,
@@ -238,12 +289,8 @@ def dspark_loss(
         blocks.positions,
         blocks.mask,
     )
-    teacher = None
-    if features.shape[-1] > width:  # the target's normed last hidden state, one position before the label
-        teacher_rows = (positions - 1).clamp(0, seq_len - 1).flatten(1)
-        last = features[..., width : width + hidden_size]
-        teacher = last.gather(1, teacher_rows[..., None].expand(-1, -1, hidden_size)).flatten(0, 1)
-    elif alphas.kl or alphas.tv or module.confidence_head is not None:
+    teacher = _teacher_rows(features, positions, seq_len, width, hidden_size)
+    if teacher is None and (alphas.kl or alphas.tv or module.confidence_head is not None):
         raise ValueError(
             f"DSpark's KL, TV and confidence terms need the target's last layer in the features "
             f"({features.shape[-1]} wide, the drafter reads {width}): make the target with "
@@ -261,24 +308,17 @@ def dspark_loss(
     if module.confidence_head is not None:
         with_markov = prev_emb if module.confidence_with_markov else None
         confidence = module.confidence_head(by_block, with_markov).flatten()
-    terms, correct = row_terms(
-        hidden.flatten(0, 1),
-        markov,
-        teacher,
-        labels.flatten(),
-        head_weight,
-        None if module.markov_head is None else module.markov_head.markov_w2.weight,
-        module.output_multiplier,
-        module.final_logit_softcapping,
-    )
     flat_weights = weights.flatten()
-    loss, term_values, accept = reduce_terms(terms, confidence, flat_weights, alphas, dpace_alpha, block_size)
+    rows = (hidden.flatten(0, 1), markov, teacher, labels.flatten())
+    loss, term_values, accept, correct = _rows_loss(
+        module, rows, head_weight, flat_weights, confidence, alphas, dpace_alpha
+    )
     scored = (weights > 0).reshape(-1, block_size)
     stats = {
         "correct": (correct.view(-1, block_size) & scored).sum(0),
         "count": scored.sum(0),
         # The terms' denominator (term_weights): the micro-batch's share of the global batch.
-        "weight_sum": flat_weights.sum() if dpace_alpha is None else (flat_weights > 0).sum().float(),
+        "weight_sum": loss_denominator(flat_weights, dpace_alpha),
         "dspark": dspark_metrics_stats(
             accept.view(-1, block_size),
             None if confidence is None else confidence.view(-1, block_size),
