@@ -207,7 +207,7 @@ def _drafter_loss(dpace_alpha, multiplier, softcap, head_type):
     [(None, 1.0, None, "gated"), (0.4, 0.7, 6.0, "rnn")],
 )
 def test_dspark_loss_equals_the_autograd_reference(monkeypatch, dpace_alpha, multiplier, softcap, head_type):
-    monkeypatch.setattr(dspark_rows, "dspark_chunk_rows", lambda vocab: 9)  # chunks of two blocks
+    monkeypatch.setattr(dspark_rows, "vocabulary_chunk_blocks", lambda vocab, block: 2)  # two blocks
     got = _drafter_loss(dpace_alpha, multiplier, softcap, head_type)
     monkeypatch.setattr(dspark_loss_module, "dspark_row_loss", _reference_row_loss)
     expected = _drafter_loss(dpace_alpha, multiplier, softcap, head_type)

@@ -12,9 +12,9 @@ import torch
 
 from dflash_mp.config.schema import compose_config, to_dataclass
 from dflash_mp.models.dspark import ConfidenceHead, MarkovHead
-from dflash_mp.models.dspark_fields import xpress_chunk_blocks
+from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.models.xpress import XPressRefiner
-from dflash_mp.objective import dspark_loss, xpress_loss
+from dflash_mp.objective import dspark_rows, xpress_loss
 from dflash_mp.plan.cli import main as plan_main
 from dflash_mp.plan.memory import DEFAULT_CONSTANTS, drafter_parameters, drafter_rank
 from dflash_mp.plan.memory_check import training_shape
@@ -29,27 +29,30 @@ def _shape(*overrides: str):
     return training_shape(cfg, QWEN3_8B)
 
 
-def test_the_dspark_chunk_is_the_one_row_terms_takes(monkeypatch) -> None:
+def test_the_dspark_chunk_is_the_one_the_loss_takes(monkeypatch) -> None:
     shape = _shape("model.arch=dspark")
-    vocab, hidden = shape.target.vocab, 4
+    vocab, hidden, block = shape.target.vocab, 4, shape.block_size
     seen = []
+    chunk_body = dspark_rows._chunk
 
-    def record(rows, *args):
-        seen.append(rows.shape[0])
-        return torch.zeros(rows.shape[0], 3), torch.zeros(rows.shape[0], dtype=torch.bool)
+    def record(inputs, *args):
+        seen.append(inputs[0].shape[0])  # the chunk's hidden rows
+        return chunk_body(inputs, *args)
 
-    monkeypatch.setattr(dspark_loss, "_row_terms", record)
+    monkeypatch.setattr(dspark_rows, "_chunk", record)
     head = torch.zeros(1, hidden).expand(vocab, hidden)  # the vocabulary's rows without their memory
+    rows = 2 * dspark_rows.chunk_rows_of(vocab, block) + 3 * block
     with torch.no_grad():
-        dspark_loss.row_terms(
-            torch.zeros(1000, hidden), None, None, torch.zeros(1000, dtype=torch.long), head, None
-        )
+        dspark_rows.dspark_row_loss(
+            torch.zeros(rows, hidden), None, None, torch.zeros(rows, dtype=torch.long), head, None,
+            torch.ones(rows), dspark_rows.RowLossOptions(alphas=(1.0, 0.0, 0.0), block_size=block),
+        )  # fmt: skip
     chunk = max(seen)
-    assert len(seen) > 1 and sum(seen) == 1000
+    assert len(seen) == 3 and sum(seen) == rows and chunk % block == 0
     name, nbytes, formula = vocabulary_work(shape, DEFAULT_CONSTANTS)
-    rows = shape.micro_batch * shape.num_anchors * shape.block_size  # every block row: Bs drafts
+    all_rows = shape.micro_batch * shape.num_anchors * block  # every block row: Bs drafts
     assert name == "DSpark vocabulary chunk" and f"min({chunk}, N*Bs)" in formula
-    assert nbytes == min(chunk, rows) * vocab * DEFAULT_CONSTANTS.dspark_chunk_copies * 4
+    assert nbytes == min(chunk, all_rows) * vocab * DEFAULT_CONSTANTS.dspark_chunk_copies * 4
     terms = {t.name for t in drafter_rank(shape).phases["drafter step"]}
     assert "DSpark vocabulary chunk" in terms and "LM-head chunk" not in terms
 
@@ -79,7 +82,7 @@ def test_the_xpress_chunk_counts_the_passes_the_loss_runs(monkeypatch, weight, p
     shape = _shape("model.arch=xpress", *overrides, f"model.xpress_base_anchor_weight={anchor}")
     name, nbytes, _ = vocabulary_work(shape, DEFAULT_CONSTANTS)
     rows = shape.micro_batch * shape.num_anchors * shape.block_size
-    chunk = xpress_chunk_blocks(shape.target.vocab, shape.block_size) * shape.block_size
+    chunk = vocabulary_chunk_blocks(shape.target.vocab, shape.block_size) * shape.block_size
     c = DEFAULT_CONSTANTS
     assert name == "XPress vocabulary chunk" and shape.xpress_passes == len(calls)
     per_row = len(calls) * c.xpress_pass_bytes + c.xpress_transient_bytes

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_mp.models.dspark_fields import dspark_chunk_rows
+from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.objective.position_weights import dpace_weights
 
 
@@ -55,14 +55,15 @@ class RowLossOptions:
     dpace_alpha: float | None = None
     multiplier: float = 1.0
     softcap: float | None = None
-    chunk_rows: int | None = None  # None: dspark_chunk_rows(V); rounded down to whole blocks
+    chunk_rows: int | None = None  # None: vocabulary_chunk_blocks whole blocks; else rounded down to them
 
 
 def chunk_rows_of(vocab: int, block_size: int, chunk_rows: int | None = None) -> int:
-    """Rows of one chunk: `chunk_rows` or `dspark_chunk_rows(vocab)`, rounded down to whole
-    blocks, at least one (D-PACE weights read a block's rows)."""
-    rows = chunk_rows or dspark_chunk_rows(vocab)
-    return max(1, rows // block_size) * block_size
+    """Rows of one chunk: `vocabulary_chunk_blocks` whole blocks, or `chunk_rows` (tests) rounded
+    down to whole blocks, at least one (D-PACE weights read a block's rows)."""
+    if chunk_rows is None:
+        return vocabulary_chunk_blocks(vocab, block_size) * block_size
+    return max(1, chunk_rows // block_size) * block_size
 
 
 def loss_denominator(weights: Tensor, dpace_alpha: float | None) -> Tensor:

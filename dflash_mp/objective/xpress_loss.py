@@ -15,7 +15,7 @@ D-PACE weights from its own CE instead of the decay, as the reference's terms do
 Unlike the reference, the logits are not materialised for the whole micro-batch: every pass's
 [blocks * Bs, V] (about 5 GB fp32 per pass at Qwen3-8B's 8192 block rows) would not fit beside a
 target. The head's logits, the passes and their CEs run a chunk of whole blocks at a time
-(`xpress_chunk_blocks`), each chunk recomputed in the backward (activation checkpointing), so at
+(`vocabulary_chunk_blocks`), each chunk recomputed in the backward (activation checkpointing), so at
 most one chunk's [rows, V] tensors are alive. A block's passes, argmaxes and D-PACE weights read
 only that block, so each chunk returns its weighted CE per position and each term is summed over
 the micro-batch and divided by its scored count once: the unchunked loss and terms to the bit, and
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash_mp.models.dspark_fields import xpress_chunk_blocks
+from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.models.xpress import XPressRefiner, jacobi_passes, teacher_forced
 from dflash_mp.objective.draft_blocks import DraftBlocks
 from dflash_mp.objective.position_weights import dpace_weights
@@ -119,9 +119,9 @@ def xpress_terms(
     hidden [N, Bs, H] the drafter's; labels [N, Bs] the data tokens (index 0 the anchor's own),
     before_anchor [N] the token before each anchor, mask [N, Bs] the scored positions (never index
     0), decay [N, Bs] the position weights. `chunk_blocks` blocks at a time (default:
-    `xpress_chunk_blocks`), each recomputed in the backward."""
+    `vocabulary_chunk_blocks`), each recomputed in the backward."""
     vocab, block_size = refiner.readout.weight.shape[0], labels.shape[1]
-    chunk = chunk_blocks or xpress_chunk_blocks(vocab, block_size)
+    chunk = chunk_blocks or vocabulary_chunk_blocks(vocab, block_size)
     rows_ce, correct = [], []
     for start in range(0, labels.shape[0], chunk):
         rows = slice(start, start + chunk)

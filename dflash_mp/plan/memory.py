@@ -65,13 +65,13 @@ class Constants:
     loss_row_bytes_per_hidden: float = 8.0
     lm_head_chunk_rows: int = 2048
     lm_head_bytes_per_logit: float = 4.0
-    # DSpark: fp32 copies of one chunk's [rows, V] (objective/dspark_loss.py row_terms): the draft's
-    # logits, log-softmax and softmax and the teacher's softmax, then the recomputed chunk's
-    # gradients in the backward. XPress, per row of its chunk of blocks (objective/xpress_loss.py
+    # DSpark: fp32 copies of one chunk's [rows, V] (objective/dspark_rows.py, the gradient taken in
+    # the forward): the draft's logits (reused for the log-softmax and the gradient), its softmax
+    # and the teacher's (a fourth with soft-capping); 3.09 chunks measured on CPU. XPress, per row of its chunk of blocks (objective/xpress_loss.py
     # xpress_terms, recomputed in the backward): per pass, the fp32 log-softmax its CE keeps, and
     # beside them the head's logits, one pass's backward and the logits' gradient. Counted from the
     # code, not yet fitted to a measured peak.
-    dspark_chunk_copies: float = 6.0
+    dspark_chunk_copies: float = 3.0
     xpress_pass_bytes: float = 4.0
     xpress_transient_bytes: float = 12.0
     # Features [S, K x hidden] in bf16: on a drafter rank the micro-batch trained on and the next,

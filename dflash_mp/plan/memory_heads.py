@@ -5,9 +5,9 @@
   fp32 parameters with AdamW's state (training/working_weights.py gives them no bf16 copies);
 - the loss's work over the vocabulary:
   - dflash, dflash2: one chunk of the chunked LM-head CE's logits (objective/lm_head_loss.py);
-  - dspark: one chunk of rows (objective/dspark_loss.py `row_terms`): the draft's logits, their
-    log-softmax and softmax, the teacher's softmax, and in the backward the chunk recomputed with
-    its gradients; the rows per chunk are the code's own (models/dspark_fields.py);
+  - dspark: one chunk of whole blocks (objective/dspark_rows.py, the gradient taken in the
+    forward): the draft's logits, its softmax and the teacher's; the blocks per chunk are the
+    code's own (models/dspark_fields.py `vocabulary_chunk_blocks`);
   - xpress: one chunk of whole blocks (objective/xpress_loss.py `xpress_terms`): the head's
     logits and, per pass (the teacher-forced one, each consistency round, the base anchor), the
     log-softmax its CE keeps, recomputed in the backward beside that backward's gradients; the
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_mp.models.dspark_fields import dspark_chunk_rows, xpress_chunk_blocks
+from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 
 # The arguments are memory.py's TrainingShape `t` and Constants `c` (typed Any: memory.py imports
 # this module, and the package map allows no circle, type-only imports included).
@@ -63,15 +63,15 @@ def vocabulary_work(t: TrainingShape, c: Constants) -> tuple[str, float, str]:
     v = t.target.vocab
     rows, rows_formula = loss_rows(t)
     if t.arch == "dspark":
-        chunk = min(dspark_chunk_rows(v), rows)
+        chunk = vocabulary_chunk_blocks(v, t.block_size) * t.block_size
         return (
             "DSpark vocabulary chunk",
-            chunk * v * c.dspark_chunk_copies * 4,
-            f"min({dspark_chunk_rows(v)}, {rows_formula}) x V x {c.dspark_chunk_copies:g} fp32 "
-            "(draft and teacher logits, softmaxes, gradients)",
+            min(chunk, rows) * v * c.dspark_chunk_copies * 4,
+            f"min({chunk}, {rows_formula}) x V x {c.dspark_chunk_copies:g} fp32 "
+            "(the draft's logits and softmax, the teacher's softmax)",
         )
     if t.arch == "xpress":
-        chunk = xpress_chunk_blocks(v, t.block_size) * t.block_size
+        chunk = vocabulary_chunk_blocks(v, t.block_size) * t.block_size
         per_row = t.xpress_passes * c.xpress_pass_bytes + c.xpress_transient_bytes
         return (
             "XPress vocabulary chunk",
