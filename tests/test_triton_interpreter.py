@@ -22,6 +22,7 @@ from tests.conftest import REPO
 
 KERNEL_TESTS = (
     "test_fused_ce.py",
+    "test_fused_dspark.py",
     "test_streaming_adamw.py",
     "test_grouped_conv.py",
     "test_top_k.py",

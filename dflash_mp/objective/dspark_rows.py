@@ -25,25 +25,45 @@ by the upstream gradient. The logits are neither stored nor recomputed: three he
 per chunk (draft, teacher, hidden gradient) and three of rank r (bias, the two gradients), against
 five and four with activation checkpointing. Under torch.no_grad the gradient work is skipped.
 
-Memory: one chunk keeps at most 3 fp32 [rows, V] tensors alive (z, reused for log q and the
-gradient; q; the teacher's p), 4 with soft-capping (its derivative), 2 without a teacher (3 with
-soft-capping); the [rows, V] transients in the matmuls' dtype (an output before its fp32 copy, the
-gradient cast for a matmul) come while fewer are alive and never lift the peak above that (on CPU
-at V = 151936: 3.09 and 4.09 chunk sizes above the inputs, against 7.3 and 8.3 with
-checkpointing). The scaling runs in fp32 on the matmul's output (the DFlash CE's order;
-`row_terms` scales in the matmul's dtype).
+On CUDA with Triton the vocabulary work runs in fused_dspark.py's three passes over the matmuls'
+outputs as they are (bf16 in training; computed in fp32), the gradients written over them. If a
+kernel raises (they compile at their first call), a warning names the error and the torch path
+below takes that chunk and every later one.
+
+Memory, fused (CUDA): a chunk holds no [rows, V] tensor besides the matmuls' outputs, in their
+dtype: the draft's logits (overwritten with the hidden states' dz), the teacher's, and the Markov
+bias (overwritten with the dz the Markov gradients read): 3 bf16 [rows, V] in training, the size of
+1.5 fp32 ones (2 without the Markov head or without a teacher, 1 without both), soft-capped or not.
+Torch path: at most 3 fp32 [rows, V] tensors alive (z, reused for log q and the gradient; q; the
+teacher's p), 4 with soft-capping (its derivative), 2 without a teacher (3 with soft-capping); the
+[rows, V] transients in the matmuls' dtype (an output before its fp32 copy, the gradient cast for a
+matmul) come while fewer are alive and never lift the peak above that (on CPU at V = 151936: 3.09
+and 4.09 chunk sizes above the inputs, against 7.3 and 8.3 with checkpointing). The scaling runs in
+fp32 on the matmul's output (the DFlash CE's order; `row_terms` scales in the matmul's dtype). q and
+p are both exp(x - lse(x)) in either path, so equal rows of draft and teacher give equal q and p bit
+for bit: ties everywhere, as torch.minimum's in the reference.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash_mp.kernels.fused_dspark import (
+    ChunkLogits,
+    dspark_grad_in_place,
+    dspark_terms,
+    fused_dspark_runs_on,
+)
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.objective.position_weights import dpace_weights
+
+_log = logging.getLogger(__name__)
+_fused_error: str | None = None  # the fused kernels' first error: the torch path from then on
 
 
 @dataclass(frozen=True)
@@ -108,8 +128,10 @@ def _logits(rows: Tensor, head: Tensor, multiplier: float, softcap: float | None
 
 
 def _softmax_(x: Tensor) -> Tensor:
-    x.sub_(x.amax(-1, keepdim=True)).exp_()
-    return x.div_(x.sum(-1, keepdim=True))
+    """softmax(x) in x as `_terms` takes q, exp((x - max) - log sum exp(x - max)): equal rows give
+    equal q and p bit for bit (module docstring)."""
+    x.sub_(x.amax(-1, keepdim=True))
+    return x.sub_(torch.exp(x).sum(-1, keepdim=True).log_()).exp_()
 
 
 def _terms(z: Tensor, p: Tensor | None, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -157,7 +179,66 @@ def _chunk(
     inputs: tuple, head: Tensor, w2: Tensor | None, scale: Tensor, opts: RowLossOptions, grads: _Grads | None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One chunk of rows `part`: (terms [m, 3], correct [m], sum of w * terms [3]); its gradients
-    into `grads`. `scale` [3]: alpha_t / denominator."""
+    into `grads`. `scale` [3]: alpha_t / denominator. Fused on CUDA, else (or once that failed) torch."""
+    if _fused_error is None and fused_dspark_runs_on(inputs[0].device):
+        done = _fused_chunk(inputs, head, w2, scale, opts, grads)
+        if done is not None:
+            return done
+    return _torch_chunk(inputs, head, w2, scale, opts, grads)
+
+
+def _guarded(call, *args):
+    """`call(*args)`, or None once it raised: then a warning names the error, and the fused path
+    is off for the rest of the process (the kernels compile at their first call on the device)."""
+    global _fused_error
+    try:
+        return call(*args)
+    except torch.OutOfMemoryError:  # not the kernels' fault: the torch path needs more
+        raise
+    except Exception as error:  # the torch path gives the same numbers, slower
+        _fused_error = f"{type(error).__name__}: {error}"
+        _log.warning("DSpark's fused loss kernels failed, the torch path from now on (%s)", _fused_error)
+        return None
+
+
+def _fused_chunk(
+    inputs: tuple, head: Tensor, w2: Tensor | None, scale: Tensor, opts: RowLossOptions, grads: _Grads | None
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """`_chunk` through fused_dspark.py on the matmuls' outputs, the gradients written over them;
+    None where a kernel failed, before any gradient was stored."""
+    hidden, markov, teacher, labels, weights, part = inputs
+    teacher_raw = None if teacher is None else F.linear(teacher, head.to(teacher.dtype))
+    raw = F.linear(hidden, head.to(hidden.dtype))
+    bias = None if markov is None else F.linear(markov, w2.to(markov.dtype))
+    logits = ChunkLogits(raw, bias, teacher_raw, labels, opts.multiplier, opts.softcap)
+    done = _guarded(dspark_terms, logits)
+    if done is None:
+        return None
+    terms, correct, stats = done
+    row_weights = term_row_weights(terms, weights, opts.dpace_alpha, opts.block_size)
+    sums = (row_weights * terms).sum(0)
+    if grads is None:
+        return terms, correct, sums
+    markov_grads = grads.markov is not None or grads.w2 is not None
+    wanted = (logits, stats, row_weights * scale, grads.hidden is not None, markov_grads)
+    done = _guarded(dspark_grad_in_place, *wanted)
+    if done is None:
+        return None
+    del teacher_raw, logits, wanted
+    hidden_dz, dz = done  # raw and bias, overwritten
+    if dz is not None and grads.markov is not None:
+        grads.markov[part] = dz @ w2.to(dz.dtype)
+    if dz is not None and grads.w2 is not None:
+        grads.w2 += (dz.T @ markov.to(dz.dtype)).float()
+    if hidden_dz is not None:
+        grads.hidden[part] = hidden_dz @ head.to(hidden_dz.dtype)
+    return terms, correct, sums
+
+
+def _torch_chunk(
+    inputs: tuple, head: Tensor, w2: Tensor | None, scale: Tensor, opts: RowLossOptions, grads: _Grads | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`_chunk` in torch: fp32 copies of the logits, eager passes over them (module docstring)."""
     hidden, markov, teacher, labels, weights, part = inputs
     p = None
     if teacher is not None:
