@@ -66,8 +66,10 @@ class Constants:
     lm_head_chunk_rows: int = 2048
     lm_head_bytes_per_logit: float = 4.0
     # DSpark: fp32 copies of one chunk's [rows, V] (objective/dspark_rows.py, the gradient taken in
-    # the forward): the draft's logits (reused for the log-softmax and the gradient), its softmax
-    # and the teacher's (a fourth with soft-capping); 3.09 chunks measured on CPU. XPress, per row of its chunk of blocks (objective/xpress_loss.py
+    # the forward): on the torch path the draft's logits (reused for the log-softmax and the
+    # gradient), its softmax and the teacher's (a fourth with soft-capping; 3.09 chunks measured on
+    # CPU); the fused CUDA path (kernels/fused_dspark.py) holds the matmuls' bf16 outputs alone,
+    # 1.5, so this errs high by ~0.4 GiB at the Qwen3-8B shape. XPress, per row of its chunk of blocks (objective/xpress_loss.py
     # xpress_terms, recomputed in the backward): per pass, the fp32 log-softmax its CE keeps, and
     # beside them the head's logits, one pass's backward and the logits' gradient. Counted from the
     # code, not yet fitted to a measured peak.
