@@ -37,7 +37,15 @@ def test_two_xpress_drafter_ranks_match_the_reference_trainer(tmp_path) -> None:
     assert all(r["tf_loss"] > 0 and r["consistency_loss"] > 0 for r in ran)
 
     out = tmp_path / "speculators"
-    cmd = [sys.executable, "-m", "dflash_mp.export", str(tmp_path / "run"), "--speculators", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_mp.export",
+        str(tmp_path / "run"),
+        "--speculators",
+        "--out",
+        str(out),
+    ]
     subprocess.run(cmd, cwd=REPO, env=job_env(), check=True, capture_output=True, text=True, timeout=120)
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "xpress" and config["xpress_rank"] == 16
