@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from transformers import DeepseekV3Config, Lfm2Config, LlamaConfig
 
-from dflash_mp.models import linear_attention, packed_target, target_graphs, target_kernels
+from dflash_mp.models import linear_attention, packed_check, packed_target, target_graphs, target_kernels
 from dflash_mp.models.packed_rows import document_index, document_positions, single_document_ids
 from dflash_mp.models.target import TargetFeatureExtractor
 from dflash_mp.runtime.target_parallel import replica_mesh
@@ -411,7 +411,8 @@ def test_documents_that_cross_in_the_rows_are_caught_on_the_first_call(monkeypat
     extractor = TargetFeatureExtractor(ensure_family_target("llama3"), LAYER_IDS, torch.float32, "cpu")
     ids, document_ids = _packed_batch()
     single = torch.where(document_ids >= 0, 0, -1)[:, :20]  # one document per row: nothing to check
-    extractor(ids[:, :20], single)
+    for _ in range(packed_check.CALLS_TO_WAIT - 1):
+        extractor(ids[:, :20], single)
     assert extractor.packing.in_rows and not extractor._packed_forward_ran
 
     @contextlib.contextmanager
@@ -446,3 +447,12 @@ def test_llama4_rows_wider_than_its_temperature_floor_go_one_row_per_document() 
     ids, document_ids = _packed_batch(lengths=narrow, seq=7)
     assert _worst_document_error(extractor, ids, extractor(ids, document_ids), narrow) < TOLERANCE
     assert extractor._packed_forward_ran  # the narrow rows ran in the rows, checked
+
+
+def test_the_first_call_check_stops_looking_when_no_row_holds_two_documents() -> None:
+    extractor = TargetFeatureExtractor(ensure_family_target("llama3"), LAYER_IDS, torch.float32, "cpu")
+    ids, document_ids = _packed_batch()
+    single = torch.where(document_ids >= 0, 0, -1)[:, :20]
+    for _ in range(packed_check.CALLS_TO_WAIT):
+        extractor(ids[:, :20], single)
+    assert extractor._packed_forward_ran and extractor.packing.in_rows  # each look read the device

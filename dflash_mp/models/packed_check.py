@@ -23,6 +23,10 @@ _UNMOVED = {torch.float32: 1e-4, torch.float64: 1e-8}
 _UNMOVED_LOW_PRECISION = {"changed": 2e-2, "moved": 1e-1}
 
 
+# Packed calls that may find no row with two documents before the check gives up looking.
+CALLS_TO_WAIT = 16
+
+
 class NothingToCheck(Exception):
     """No row of the batch holds two documents."""
 
