@@ -85,7 +85,7 @@ def row_cross_entropy(
 if triton is not None:
 
     @triton.jit
-    def _scaled(raw, multiplier, cap, SOFTCAP: tl.constexpr):
+    def scaled_tile(raw, multiplier, cap, SOFTCAP: tl.constexpr):
         """The logits as the loss reads them, fp32, and tanh(x / cap) (1.0 without the cap)."""
         x = raw.to(tl.float32) * multiplier
         tanh = 1.0
@@ -120,7 +120,7 @@ if triton is not None:
         for start in range(0, vocab, TILE):
             index = start + columns
             inside = index < vocab
-            x, _ = _scaled(tl.load(row_ptr + index, mask=inside, other=0.0), multiplier, cap, SOFTCAP)
+            x, _ = scaled_tile(tl.load(row_ptr + index, mask=inside, other=0.0), multiplier, cap, SOFTCAP)
             x = tl.where(inside, x, float("-inf"))
             better = x > best  # strict: a lane keeps its earliest maximum
             best = tl.where(better, x, best)
@@ -132,7 +132,7 @@ if triton is not None:
         top = tl.max(best, 0)
         first_top = tl.min(tl.where(best == top, best_at, vocab), 0)  # the earliest lane's, as argmax
         label = tl.load(labels_ptr + row)
-        label_logit, _ = _scaled(tl.load(row_ptr + label), multiplier, cap, SOFTCAP)
+        label_logit, _ = scaled_tile(tl.load(row_ptr + label), multiplier, cap, SOFTCAP)
         tl.store(log_normaliser_ptr + row, log_normaliser)
         tl.store(row_loss_ptr + row, tl.load(scale_ptr + row) * (log_normaliser - label_logit))
         tl.store(correct_ptr + row, first_top == label)
@@ -155,7 +155,7 @@ if triton is not None:
         inside = index < vocab
         pointers = logits_ptr + row * row_stride + index
         raw = tl.load(pointers, mask=inside, other=0.0)
-        x, tanh = _scaled(raw, multiplier, cap, SOFTCAP)
+        x, tanh = scaled_tile(raw, multiplier, cap, SOFTCAP)
         is_label = (index == tl.load(labels_ptr + row)).to(tl.float32)
         grad = (tl.exp(x - tl.load(log_normaliser_ptr + row)) - is_label) * tl.load(scale_ptr + row)
         if SOFTCAP:

@@ -43,6 +43,8 @@ from torch import Tensor
 try:  # Triton ships with CUDA builds of torch; elsewhere dspark_rows takes its torch path.
     import triton
     import triton.language as tl
+
+    from dflash_mp.kernels.fused_ce import scaled_tile  # the logits as both losses read them
 except ImportError:  # pragma: no cover - depends on the torch build
     triton = None
 
@@ -161,21 +163,10 @@ def dspark_grad_in_place(
 if triton is not None:
 
     @triton.jit
-    def _scaled(raw, multiplier, cap, SOFTCAP: tl.constexpr):
-        """fp32 logits as the loss reads them and tanh(x / cap) (1.0 without the cap), as fused_ce."""
-        x = raw.to(tl.float32) * multiplier
-        tanh = 1.0
-        if SOFTCAP:
-            # tanh from exp: no tanh in tl on every backend; exp overflowing to inf gives 1 exactly.
-            tanh = 1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)
-            x = cap * tanh
-        return x, tanh
-
-    @triton.jit
     def _draft_logits(draft_row, bias_row, index, inside, multiplier, cap, SOFTCAP, BIAS):
         """(z = scale(raw) + bias in fp32, tanh for scale's derivative, raw as loaded)."""
         raw = tl.load(draft_row + index, mask=inside, other=0.0)
-        z, tanh = _scaled(raw, multiplier, cap, SOFTCAP)
+        z, tanh = scaled_tile(raw, multiplier, cap, SOFTCAP)
         if BIAS:
             z += tl.load(bias_row + index, mask=inside, other=0.0).to(tl.float32)
         return z, tanh, raw
@@ -216,7 +207,9 @@ if triton is not None:
             best_at = tl.where(better, index, best_at)
             z_max, z_sum = _online(z_max, z_sum, z)
             if TEACHER:
-                t, _ = _scaled(tl.load(teacher_row + index, mask=inside, other=0.0), multiplier, cap, SOFTCAP)
+                t, _ = scaled_tile(
+                    tl.load(teacher_row + index, mask=inside, other=0.0), multiplier, cap, SOFTCAP
+                )
                 t_max, t_sum = _online(t_max, t_sum, tl.where(inside, t, float("-inf")))
         top = tl.max(best, 0)
         out = parts_ptr + (row * tl.num_programs(1) + segment) * 5
@@ -266,7 +259,7 @@ if triton is not None:
             index = start + columns
             inside = index < high
             z, _, _ = _draft_logits(draft_row, bias_row, index, inside, multiplier, cap, SOFTCAP, BIAS)
-            t, _ = _scaled(tl.load(teacher_row + index, mask=inside, other=0.0), multiplier, cap, SOFTCAP)
+            t, _ = scaled_tile(tl.load(teacher_row + index, mask=inside, other=0.0), multiplier, cap, SOFTCAP)
             q, p, log_q, log_p = _probabilities(z, t, lse, teacher_lse)
             q = tl.where(inside, q, 0.0)
             p = tl.where(inside, p, 0.0)
@@ -294,7 +287,7 @@ if triton is not None:
         c_ce = tl.load(weights_ptr + row * 3)
         is_label = (index == tl.load(labels_ptr + row)).to(tl.float32)
         if TEACHER:
-            t, _ = _scaled(
+            t, _ = scaled_tile(
                 tl.load(teacher_ptr + row * teacher_stride + index, mask=inside, other=0.0),
                 multiplier, cap, SOFTCAP,
             )  # fmt: skip
