@@ -8,6 +8,7 @@ a small DSpark drafter."""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -223,3 +224,33 @@ def test_dspark_loss_equals_the_autograd_reference(monkeypatch, dpace_alpha, mul
         torch.testing.assert_close(
             got[2][name], grad, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+@pytest.mark.parametrize("agrees", [True, False])
+def test_the_first_fused_chunk_is_checked_against_the_torch_path(monkeypatch, caplog, agrees) -> None:
+    """The compiled kernels' first chunk runs beside the torch path, whose numbers it keeps; a fused
+    path that disagrees is turned off with one warning, one that agrees takes the later chunks."""
+    x = _inputs()
+    options = RowLossOptions((0.3, 0.9, 1.8), BLOCK, None, 1.0, None, CHUNK)
+    monkeypatch.setattr(dspark_rows, "fused_dspark_runs_on", lambda device: False)
+    expected = _run(x, True, True, options, reference=False)
+    fused_calls = []
+
+    def fused(inputs, head, w2, scale, opts, grads):  # the torch path, off by 10% when disagreeing
+        fused_calls.append(inputs[-1])
+        terms, correct, sums = dspark_rows._torch_chunk(inputs, head, w2, scale, opts, grads)
+        return (terms, correct, sums) if agrees else (terms * 1.1, correct, sums * 1.1)
+
+    monkeypatch.setattr(dspark_rows, "fused_dspark_runs_on", lambda device: True)
+    monkeypatch.setattr(dspark_rows, "_fused_chunk", fused)
+    monkeypatch.setattr(dspark_rows, "_fused_error", None)
+    monkeypatch.setattr(dspark_rows, "_fused_checked", False)
+    with caplog.at_level(logging.WARNING, logger=dspark_rows.__name__):
+        got = _run(x, True, True, options, reference=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(fused_calls) == (3 if agrees else 1)  # three chunks: the checked one, then fused or not
+    assert (dspark_rows._fused_error is None) == agrees and len(warnings) == (0 if agrees else 1)
+    for a, b in zip(got[:4], expected[:4], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for name in expected[4]:
+        torch.testing.assert_close(got[4][name], expected[4][name], rtol=0, atol=0)

@@ -28,7 +28,8 @@ five and four with activation checkpointing. Under torch.no_grad the gradient wo
 On CUDA with Triton the vocabulary work runs in fused_dspark.py's three passes over the matmuls'
 outputs as they are (bf16 in training; computed in fp32), the gradients written over them. If a
 kernel raises (they compile at their first call), a warning names the error and the torch path
-below takes that chunk and every later one.
+below takes that chunk and every later one. The process's first fused chunk also runs the torch
+path, keeps its numbers, and turns the fused path off the same way if the two disagree.
 
 Memory, fused (CUDA): a chunk holds no [rows, V] tensor besides the matmuls' outputs, in their
 dtype: the draft's logits (overwritten with the hidden states' dz), the teacher's, and the Markov
@@ -64,6 +65,10 @@ from dflash_mp.objective.position_weights import dpace_weights
 
 _log = logging.getLogger(__name__)
 _fused_error: str | None = None  # the fused kernels' first error: the torch path from then on
+_fused_checked = False  # whether the process's first fused chunk was compared with the torch path
+# How far the first fused chunk may stand from the torch path's: the gradient is rounded to bf16
+# at another point (the kernels write it in the logits' dtype); a wrong kernel is off by far more.
+_FUSED_AGREES = 1e-2
 
 
 @dataclass(frozen=True)
@@ -181,10 +186,51 @@ def _chunk(
     """One chunk of rows `part`: (terms [m, 3], correct [m], sum of w * terms [3]); its gradients
     into `grads`. `scale` [3]: alpha_t / denominator. Fused on CUDA, else (or once that failed) torch."""
     if _fused_error is None and fused_dspark_runs_on(inputs[0].device):
+        if not _fused_checked:
+            return _checked_fused_chunk(inputs, head, w2, scale, opts, grads)
         done = _fused_chunk(inputs, head, w2, scale, opts, grads)
         if done is not None:
             return done
     return _torch_chunk(inputs, head, w2, scale, opts, grads)
+
+
+def _checked_fused_chunk(
+    inputs: tuple, head: Tensor, w2: Tensor | None, scale: Tensor, opts: RowLossOptions, grads: _Grads | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The process's first fused chunk beside the torch path's, whose numbers the chunk keeps: the
+    kernels are tested under Triton's interpreter, and compiled ones that disagree (beyond the
+    bf16 rounding of the gradient) turn the fused path off with a warning."""
+    global _fused_checked, _fused_error
+    _fused_checked = True
+    scratch = None
+    if grads is not None:
+        scratch = _Grads(
+            *(None if g is None else torch.zeros_like(g) for g in (grads.hidden, grads.markov, grads.w2))
+        )
+    fused = _fused_chunk(inputs, head, w2, scale, opts, scratch)
+    result = _torch_chunk(inputs, head, w2, scale, opts, grads)  # the first chunk: grads.w2 is its own
+    if fused is None:  # the kernels raised: _guarded turned them off
+        return result
+    part = inputs[-1]
+    pairs = [(fused[0], result[0]), (fused[2], result[2])]  # the terms and their weighted sums
+    if grads is not None:
+        for mine, theirs in ((scratch.hidden, grads.hidden), (scratch.markov, grads.markov)):
+            if theirs is not None:
+                pairs.append((mine[part], theirs[part]))
+        if grads.w2 is not None:
+            pairs.append((scratch.w2, grads.w2))
+    error = max(_relative_error(a, b) for a, b in pairs)
+    if error > _FUSED_AGREES:
+        _fused_error = f"its first chunk differs from the torch path's by {error:.2g} (relative)"
+        _log.warning("DSpark's fused loss kernels are off, the torch path from now on: %s", _fused_error)
+    return result
+
+
+def _relative_error(actual: Tensor, expected: Tensor) -> float:
+    expected = expected.float()
+    return float(
+        (actual.float() - expected).norm() / expected.norm().clamp_min(torch.finfo(torch.float32).tiny)
+    )
 
 
 def _guarded(call, *args):
