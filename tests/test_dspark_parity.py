@@ -17,13 +17,8 @@ import pytest
 import torch
 
 from dflash_mp.models.dspark import ConfidenceHead, MarkovHead, previous_tokens
-from dflash_mp.objective.dspark_loss import (
-    DSparkLossWeights,
-    dspark_labels,
-    dspark_metrics_stats,
-    reduce_terms,
-    row_terms,
-)
+from dflash_mp.objective.dspark_loss import DSparkLossWeights, dspark_labels, dspark_metrics_stats
+from tests.dspark_autograd_reference import reduce_terms, row_terms
 from tests.speculators_reference import speculators_module
 
 VOCAB, RANK, HIDDEN, BLOCK, BLOCKS = 50, 6, 12, 4, 5

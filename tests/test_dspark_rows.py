@@ -21,8 +21,9 @@ from dflash_mp.models.dspark_fields import dspark_chunk_rows
 from dflash_mp.objective import dspark_loss as dspark_loss_module
 from dflash_mp.objective import dspark_rows
 from dflash_mp.objective.block_diffusion import drafter_loss
-from dflash_mp.objective.dspark_loss import DSparkLossWeights, reduce_terms, row_terms
+from dflash_mp.objective.dspark_loss import DSparkLossWeights
 from dflash_mp.objective.dspark_rows import RowLossOptions, chunk_rows_of, dspark_row_loss
+from tests.dspark_autograd_reference import reduce_terms, row_terms
 
 VOCAB, HIDDEN, RANK, BLOCK, BLOCKS = 300, 16, 6, 4, 12
 CHUNK = 5 * BLOCK  # chunks of 5, 5 and 2 blocks

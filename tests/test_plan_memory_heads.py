@@ -1,5 +1,5 @@
 """The memory model's vocabulary-sized drafter terms (dflash_mp/plan/memory_heads.py) against the code
-they predict: DSpark's loss chunk has the rows `row_terms` takes, XPress's the blocks `xpress_terms`
+they predict: DSpark's loss chunk has the rows `dspark_row_loss` takes, XPress's the blocks `xpress_terms`
 takes and the passes it runs, the heads' parameters are the modules', and `python -m dflash_mp.plan memory`
 shows them per arch."""
 

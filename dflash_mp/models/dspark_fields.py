@@ -1,6 +1,6 @@
 """A DSpark drafter's config fields (`dflash_config`), their defaults and checks: torch-free, so the
 launcher's preflight (config/dspark_checks.py) reads them without importing the heads (dspark.py).
-Also the rows per chunk of its loss's vocabulary-sized work (objective/dspark_loss.py `row_terms`)
+Also the rows per chunk of its loss's vocabulary-sized work (objective/dspark_rows.py)
 and the blocks per chunk of XPress's (objective/xpress_loss.py `xpress_terms`), which the memory
 model (plan/memory_heads.py) predicts from."""
 

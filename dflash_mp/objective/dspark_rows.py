@@ -1,8 +1,9 @@
 """DSpark's vocabulary-sized loss terms with their gradient taken during the forward (`dspark_row_loss`).
 
 For rows [M] of hidden states, the loss part ce_alpha * CE + kl_alpha * KL + tv_alpha * TV of a
-micro-batch (dspark_loss.py's module docstring; `reduce_terms` of `row_terms` gives the same value,
-the autograd reference the tests compare with) runs a chunk of whole blocks at a time, once:
+micro-batch (dspark_loss.py's module docstring; tests/dspark_autograd_reference.py gives the same
+value through autograd, the reference the tests compare with) runs a chunk of whole blocks at a
+time, once:
 
     z = scale_logits(hidden @ head.T) + markov @ w2.T,  q = softmax(z),
     p = softmax(scale_logits(teacher @ head.T))                      (no gradient)
@@ -40,7 +41,7 @@ teacher's p), 4 with soft-capping (its derivative), 2 without a teacher (3 with 
 [rows, V] transients in the matmuls' dtype (an output before its fp32 copy, the gradient cast for a
 matmul) come while fewer are alive and never lift the peak above that (on CPU at V = 151936: 3.09
 and 4.09 chunk sizes above the inputs, against 7.3 and 8.3 with checkpointing). The scaling runs in
-fp32 on the matmul's output (the DFlash CE's order; `row_terms` scales in the matmul's dtype). q and
+fp32 on the matmul's output (the DFlash CE's order; the autograd reference scales in the matmul's dtype). q and
 p are both exp(x - lse(x)) in either path, so equal rows of draft and teacher give equal q and p bit
 for bit: ties everywhere, as torch.minimum's in the reference.
 """
@@ -377,7 +378,7 @@ def dspark_row_loss(
     """(ce_alpha * CE + kl_alpha * KL + tv_alpha * TV, those three terms before their alphas [3],
     the row terms [M, 3] and argmax == label [M], all three detached) of hidden rows [M, H], Markov
     features [M, r] (or None), the teacher's rows [M, H] (or None: CE only), labels [M], the frozen
-    head [V, H], w2 [V, r] and decay weights [M] of whole blocks: `reduce_terms(row_terms(...))`'s
+    head [V, H], w2 [V, r] and decay weights [M] of whole blocks: the autograd reference's
     value and gradients without the logits kept or recomputed (module docstring)."""
     if torch.is_grad_enabled() and head.requires_grad:
         raise ValueError("dspark_row_loss takes no gradient for the head: it must be frozen")
