@@ -170,9 +170,8 @@ def handles_gated_deltanet(module: nn.Module) -> bool:
         getattr(module, "conv1d", None), nn.Conv1d
     ):
         return False
-    return _RECURRENCE_FUNCTION in _module_functions(cls) and bool(
-        _module_functions(cls) & set(_CONV_FUNCTIONS)
-    )
+    called = _module_functions(cls)
+    return _RECURRENCE_FUNCTION in called and bool(called & set(_CONV_FUNCTIONS))
 
 
 def _module_functions(cls: type) -> set[str]:
