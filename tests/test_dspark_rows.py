@@ -255,3 +255,42 @@ def test_the_first_fused_chunk_is_checked_against_the_torch_path(monkeypatch, ca
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for name in expected[4]:
         torch.testing.assert_close(got[4][name], expected[4][name], rtol=0, atol=0)
+
+
+class _Outputs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records (shape, dtype) of every tensor an op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[tuple[int, ...], torch.dtype]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(tensor, torch.Tensor):
+                self.seen.add((tuple(tensor.shape), tensor.dtype))
+        return out
+
+
+def test_under_autocast_the_bf16_head_is_never_copied_to_fp32() -> None:
+    """Training runs under bf16 autocast with fp32 hidden states and Markov features and the
+    frozen head in bf16: the matmuls take the operands in bf16 as autocast casts them, with no
+    fp32 copy of the head (one per chunk and matmul, and a bf16 one back, cost ~60 ms a step at
+    Qwen3-8B shape), and the numbers are those of casting them by hand."""
+    x = _inputs()
+    x["head"] = x["head"].bfloat16()
+    options = RowLossOptions((0.3, 0.9, 1.8), BLOCK, None, chunk_rows=CHUNK)
+    with torch.autocast("cpu", dtype=torch.bfloat16), _Outputs() as outputs:
+        got = _run(x, True, True, options, reference=False)
+    assert ((VOCAB, HIDDEN), torch.float32) not in outputs.seen
+    assert ((VOCAB, RANK), torch.bfloat16) in outputs.seen  # w2 cast as autocast casts it
+    leaves = [x[name].bfloat16().requires_grad_(True) for name in ("hidden", "markov", "w2")]
+    hidden, markov, w2 = leaves
+    loss, _, terms, _ = dspark_row_loss(
+        hidden, markov, x["teacher"].bfloat16(), x["labels"], x["head"], w2, x["weights"], options
+    )
+    loss.backward()
+    torch.testing.assert_close(got[0], loss.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(got[2], terms, rtol=0, atol=0)
+    torch.testing.assert_close(got[4]["hidden"], hidden.grad.float(), rtol=1e-2, atol=1e-6)
+    torch.testing.assert_close(got[4]["w2"], w2.grad.float(), rtol=1e-2, atol=1e-6)

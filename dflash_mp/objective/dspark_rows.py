@@ -320,6 +320,18 @@ def _torch_chunk(
     return terms, correct, sums
 
 
+def _in_autocast_dtype(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """The matmuls' operands in autocast's dtype when it is on (training), else as they are. Cast
+    once per micro-batch, so that no chunk copies the frozen bf16 head to the fp32 hidden states'
+    dtype and autocast back again (two head-sized copies per matmul); the numbers are those of
+    autocast's own casts."""
+    device = next(t for t in tensors if t is not None).device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
 class _DSparkRowLoss(torch.autograd.Function):
     """The weighted CE + KL + TV of rows [M] (module docstring), its gradient taken in the forward."""
 
@@ -340,16 +352,18 @@ class _DSparkRowLoss(torch.autograd.Function):
         correct = torch.empty(rows, dtype=torch.bool, device=device)
         sums = torch.zeros(3, dtype=torch.float32, device=device)
         size = chunk_rows_of(head.shape[0], opts.block_size, opts.chunk_rows)
+        ctx.w2_dtype = None if w2 is None else w2.dtype
+        hidden_in, markov_in, teacher_in, head, w2 = _in_autocast_dtype(hidden, markov, teacher, head, w2)
         for start in range(0, rows, size):
             part = slice(start, start + size)
-            inputs = tuple(None if x is None else x[part] for x in (hidden, markov, teacher, labels, weights))
+            chunked = (hidden_in, markov_in, teacher_in, labels, weights)
+            inputs = tuple(None if x is None else x[part] for x in chunked)
             terms[part], correct[part], chunk_sums = _chunk((*inputs, part), head, w2, scale, opts, grads)
             sums += chunk_sums
         values = sums / denominator
         loss = alphas[0] * values[0] + alphas[1] * values[1] + alphas[2] * values[2]
         saved = (None, None, None) if grads is None else (grads.hidden, grads.markov, grads.w2)
         ctx.save_for_backward(*saved)
-        ctx.w2_dtype = None if w2 is None else w2.dtype
         ctx.mark_non_differentiable(values, terms, correct)
         return loss, values, terms, correct
 
