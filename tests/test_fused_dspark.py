@@ -103,10 +103,22 @@ def _compare(x: ChunkLogits, opts: RowLossOptions, dtype: torch.dtype) -> tuple:
     got = _fused_path(x, opts, weights, scale)
     torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5, msg=lambda m: f"terms: {m}")
     assert torch.equal(got[1], expected[1]) and bool(expected[1][1])  # row 1: label is the argmax
-    _assert_close(got[2], expected[2], dtype, "hidden dz")
+    rows = _comparable_gradient_rows(x)
+    _assert_close(got[2][rows], expected[2][rows], dtype, "hidden dz")
     if x.bias is not None:
-        _assert_close(got[3], expected[3], dtype, "markov dz")
+        _assert_close(got[3][rows], expected[3][rows], dtype, "markov dz")
     return got, expected
+
+
+def _comparable_gradient_rows(x: ChunkLogits) -> torch.Tensor:
+    """The rows whose gradients both paths must give alike. Compiled for a GPU, the kernels' soft-
+    capping (tanh from exp) may round the draft's and the teacher's copies of row 2's equal logits
+    one bit apart, and TV's derivative jumps at q == p: there each side's one-sided derivative is
+    right (dspark_rows.py's docstring), so row 2's gradient is compared on the CPU only."""
+    rows = torch.ones(x.draft.shape[0], dtype=torch.bool)
+    if x.teacher is not None and x.softcap is not None and DEVICE == "cuda":
+        rows[2] = False
+    return rows.to(DEVICE)
 
 
 @pytest.mark.triton
