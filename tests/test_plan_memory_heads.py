@@ -1,24 +1,26 @@
 """The memory model's vocabulary-sized drafter terms (dflash_mp/plan/memory_heads.py) against the code
-they predict: DSpark's loss chunk has the rows `dspark_row_loss` takes, XPress's the blocks `xpress_terms`
-takes and the passes it runs, the heads' parameters are the modules', and `python -m dflash_mp.plan memory`
+they predict: DSpark's loss chunk has the rows `dspark_row_loss` takes, XPress's the blocks `xpress_row_loss`
+takes and the bytes it holds, the heads' parameters are the modules', and `python -m dflash_mp.plan memory`
 shows them per arch."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_mp.config.schema import compose_config, to_dataclass
 from dflash_mp.models.dspark import ConfidenceHead, MarkovHead
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.models.xpress import XPressRefiner
-from dflash_mp.objective import dspark_rows, xpress_loss
+from dflash_mp.objective import dspark_rows, xpress_rows
 from dflash_mp.plan.cli import main as plan_main
 from dflash_mp.plan.memory import DEFAULT_CONSTANTS, drafter_parameters, drafter_rank
 from dflash_mp.plan.memory_check import training_shape
-from dflash_mp.plan.memory_heads import head_parameters, vocabulary_work, xpress_ce_passes
+from dflash_mp.plan.memory_heads import head_parameters, vocabulary_work
 from dflash_mp.plan.targets import PRESET_TARGETS
 
 QWEN3_8B = PRESET_TARGETS["qwen3-8b"]
@@ -57,56 +59,83 @@ def test_the_dspark_chunk_is_the_one_the_loss_takes(monkeypatch) -> None:
     assert "DSpark vocabulary chunk" in terms and "LM-head chunk" not in terms
 
 
-@pytest.mark.parametrize(("weight", "passes", "anchor"), [(0.3, 3, 0.6), (0.0, 3, 0.6), (0.3, 2, 0.0)])
-def test_the_xpress_chunk_counts_the_passes_the_loss_runs(monkeypatch, weight, passes, anchor) -> None:
-    calls = []
-    original = xpress_loss.weighted_ce
-    monkeypatch.setattr(xpress_loss, "weighted_ce", lambda *args: calls.append(1) or original(*args))
-    blocks, block, hidden, vocab = 2, 4, 8, 11
+class _LiveVocabularyBytes(TorchDispatchMode):
+    """The peak bytes of live tensors whose last dimension is the vocabulary (storages counted once)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.live, self.now, self.peak = vocab, {}, 0, 0
+
+    def _gone(self, key: int) -> None:
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.dim() and tensor.shape[-1] == self.vocab:
+                key = tensor.untyped_storage().data_ptr()
+                if key not in self.live:
+                    self.live[key] = tensor.untyped_storage().nbytes()
+                    self.now += self.live[key]
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(tensor, self._gone, key)
+        return out
+
+
+@pytest.mark.parametrize(("weight", "passes", "anchor"), [(0.3, 3, 0.6), (0.0, 3, 0.6), (0.3, 6, 0.0)])
+def test_the_xpress_chunk_holds_what_the_loss_holds_whatever_the_passes(weight, passes, anchor) -> None:
+    blocks, block, hidden, vocab = 6, 4, 8, 4099
     refiner = XPressRefiner(hidden, vocab, block, rank=4, mlp_ratio=2)
     labels = torch.randint(0, vocab, (blocks, block))
     mask = torch.ones(blocks, block, dtype=torch.bool)
-    terms = xpress_loss.XPressWeights(weight, passes, anchor)
-    xpress_loss.xpress_terms(
-        refiner,
-        torch.randn(blocks, block, vocab),
-        torch.randn(blocks, block, hidden),
-        labels,
-        labels[:, 0],
-        mask,
-        mask.float(),
-        terms,
+    options = xpress_rows.XPressRowOptions(
+        passes if weight else 0, weight, anchor, False, None, chunk_blocks=blocks
     )
-    assert len(calls) == xpress_ce_passes(weight, passes, anchor)  # one chunk: each pass's CE once
+    states = torch.randn(blocks, block, hidden, requires_grad=True)
+    head = torch.randn(vocab, hidden)
+    with _LiveVocabularyBytes(vocab) as live:
+        loss, _, _ = xpress_rows.xpress_row_loss(
+            refiner, states, head, (labels, labels[:, 0], mask, mask.float()), options
+        )
+    elements = blocks * block * vocab
+    # The model counts the GPU's bf16 raw logits and bias (2 B each); on the CPU they are fp32: +4 B.
+    per_element = live.peak / elements - 4
+    assert 0.75 * DEFAULT_CONSTANTS.xpress_chunk_bytes <= per_element <= DEFAULT_CONSTANTS.xpress_chunk_bytes
+    assert loss.item() > 0
     overrides = [f"model.xpress_consistency_weight={weight}", f"model.xpress_consistency_passes={passes}"]
     shape = _shape("model.arch=xpress", *overrides, f"model.xpress_base_anchor_weight={anchor}")
     name, nbytes, _ = vocabulary_work(shape, DEFAULT_CONSTANTS)
     rows = shape.micro_batch * shape.num_anchors * shape.block_size
     chunk = vocabulary_chunk_blocks(shape.target.vocab, shape.block_size) * shape.block_size
-    c = DEFAULT_CONSTANTS
-    assert name == "XPress vocabulary chunk" and shape.xpress_passes == len(calls)
-    per_row = len(calls) * c.xpress_pass_bytes + c.xpress_transient_bytes
-    assert nbytes == min(chunk, rows) * shape.target.vocab * per_row
+    assert name == "XPress vocabulary chunk"
+    assert nbytes == min(chunk, rows) * shape.target.vocab * DEFAULT_CONSTANTS.xpress_chunk_bytes
 
 
-def test_the_xpress_chunk_is_the_one_xpress_terms_takes(monkeypatch) -> None:
+def test_the_xpress_chunk_is_the_one_the_loss_takes(monkeypatch) -> None:
     shape = _shape("model.arch=xpress")
     vocab, block, hidden = shape.target.vocab, shape.block_size, 4
     seen = []
 
-    def record(refiner, to_logits, base, *args):
-        seen.append(base.shape[0])
-        return torch.zeros(5, *base.shape[:2]), torch.zeros(base.shape[:2], dtype=torch.bool)
+    def record(refiner, head, raw, *args):
+        seen.append(raw.shape[0] // block)
+        return torch.zeros(3, raw.shape[0] // block, block), torch.zeros(
+            raw.shape[0] // block, block, dtype=torch.bool
+        )
 
-    monkeypatch.setattr(xpress_loss, "_chunk_terms", record)
-    # Rank 1: the vocabulary's rows at a small cost; the chunk is read from the readout's.
+    monkeypatch.setattr(xpress_rows, "_chunk", record)
+    # Rank 1: the vocabulary's rows at a small cost; the chunk is read from the head's.
     refiner = XPressRefiner(hidden, vocab, block, rank=1, mlp_ratio=1)
     blocks = 100
     labels = torch.zeros(blocks, block, dtype=torch.long)
-    rows = torch.zeros(blocks, block, hidden)
+    states = torch.zeros(blocks, block, hidden)
+    options = xpress_rows.XPressRowOptions(3, 0.3, 0.6, False, None)
     with torch.no_grad():
-        xpress_loss.xpress_terms(
-            refiner, rows, rows, labels, labels[:, 0], labels > 0, rows[..., 0], xpress_loss.XPressWeights()
+        xpress_rows.xpress_row_loss(
+            refiner,
+            states,
+            torch.zeros(vocab, hidden),
+            (labels, labels[:, 0], labels > 0, states[..., 0]),
+            options,
         )
     chunk = max(seen) * block
     assert len(seen) > 1 and sum(seen) == blocks

@@ -27,6 +27,7 @@ KERNEL_TESTS = (
     "test_grouped_conv.py",
     "test_top_k.py",
     "test_weighted_rows.py",
+    "test_xpress_fused.py",
 )
 
 

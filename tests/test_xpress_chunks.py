@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dflash_mp.models.drafter import scale_logits
@@ -28,8 +29,10 @@ class Drafter(nn.Module):
             for parameter in self.refiner_head.parameters():
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
 
+    output_multiplier, final_logit_softcapping = 1.3, 20.0
+
     def logits(self, hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
-        return scale_logits(head(hidden), 1.3, 20.0)
+        return scale_logits(head(hidden), self.output_multiplier, self.final_logit_softcapping)
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor, DraftBlocks]:
@@ -45,15 +48,45 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor, DraftBlocks]:
     return head, hidden, DraftBlocks(None, None, labels, weights, None, before_anchor=before)
 
 
-def _run(weights: XPressWeights, chunk_blocks: int) -> tuple[torch.Tensor, dict, dict]:
-    """(loss, stats + terms, gradients of the hidden states and every refiner parameter)."""
-    drafter = Drafter()
+def _run(
+    weights: XPressWeights, chunk_blocks: int, reference: bool = False, device: str = "cpu"
+) -> tuple[torch.Tensor, dict, dict]:
+    """(loss, stats + terms, gradients of the hidden states and every refiner parameter) of
+    `xpress_drafter_loss`, or (`reference`) of `xpress_terms` over the same blocks through autograd."""
+    drafter = Drafter().to(device)
     head, hidden, blocks = _inputs()
+    head, hidden = head.to(device), hidden.to(device)
+    moved = (blocks.labels.to(device), blocks.weights.to(device), blocks.before_anchor.to(device))
+    blocks = blocks._replace(labels=moved[0], weights=moved[1], before_anchor=moved[2])
     hidden.requires_grad_()
-    loss, stats = xpress_drafter_loss(drafter, hidden, head, blocks, weights, chunk_blocks=chunk_blocks)
+    if reference:
+        loss, stats = _reference_loss(drafter, hidden, head, blocks, weights, chunk_blocks)
+    else:
+        loss, stats = xpress_drafter_loss(drafter, hidden, head, blocks, weights, chunk_blocks=chunk_blocks)
     loss.backward()
     grads = {name: p.grad for name, p in drafter.refiner_head.named_parameters()}
     return loss, stats, {"hidden": hidden.grad, **grads}
+
+
+def _reference_loss(drafter, hidden, head, blocks, weights, chunk_blocks):
+    """`xpress_terms` (checkpointed chunks, autograd) on what `xpress_drafter_loss` reads."""
+    flat = (-1, BLOCK)
+    mask = blocks.weights > 0
+    loss, terms, correct = xpress_loss.xpress_terms(
+        drafter.refiner_head,
+        hidden.reshape(-1, BLOCK, HIDDEN),
+        hidden.reshape(-1, BLOCK, HIDDEN),
+        blocks.labels.reshape(flat),
+        blocks.before_anchor.reshape(-1),
+        mask.reshape(flat),
+        torch.where(mask, blocks.weights, 0.0).reshape(flat),
+        weights,
+        to_logits=lambda h: drafter.logits(h, lambda x: F.linear(x, head)),
+        chunk_blocks=chunk_blocks,
+    )
+    packed = torch.stack([terms.get(name, torch.zeros(())) for name in xpress_loss.XPRESS_TERMS])
+    stats = {"correct": correct.sum(0), "count": mask.reshape(flat).sum(0), "xpress": packed}
+    return loss, stats
 
 
 WEIGHTS = [
@@ -63,12 +96,27 @@ WEIGHTS = [
     XPressWeights(0.3, 3, 0.6, base_anchor_full_weight=True, dpace_alpha=0.4),
     XPressWeights(0.0, 3, 0.0),
 ]
+IDS = ["decay", "dpace", "full-anchor", "full-anchor-dpace", "tf-only"]
 
 
-@pytest.mark.parametrize(
-    "weights", WEIGHTS, ids=["decay", "dpace", "full-anchor", "full-anchor-dpace", "tf-only"]
-)
-def test_chunks_equal_one_chunk(monkeypatch, weights: XPressWeights) -> None:
+@pytest.mark.parametrize("weights", WEIGHTS, ids=IDS)
+def test_the_loss_and_its_gradients_equal_the_autograd_reference(weights: XPressWeights) -> None:
+    """The gradient taken in the forward (objective/xpress_rows.py) against autograd through
+    `xpress_terms` (tests/test_xpress_parity.py holds that equal to speculators' XPress)."""
+    loss, stats, grads = _run(weights, chunk_blocks=CHUNK)
+    ref_loss, ref_stats, ref_grads = _run(weights, chunk_blocks=CHUNK, reference=True)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(stats["xpress"], ref_stats["xpress"], rtol=1e-6, atol=1e-6)
+    for key in ("correct", "count"):
+        assert torch.equal(stats[key], ref_stats[key]), key
+    for name, grad in ref_grads.items():
+        assert grad is not None and grads[name] is not None, name
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("weights", WEIGHTS[:2], ids=IDS[:2])
+def test_chunks_equal_one_chunk(weights: XPressWeights) -> None:
     blocks = BATCH * ANCHORS
     one_loss, one_stats, one_grads = _run(weights, chunk_blocks=blocks)
     loss, stats, grads = _run(weights, chunk_blocks=CHUNK)
@@ -78,29 +126,14 @@ def test_chunks_equal_one_chunk(monkeypatch, weights: XPressWeights) -> None:
         torch.testing.assert_close(stats[key], one_stats[key], rtol=0, atol=0)
     # Gradients accumulate over chunks: a different order of the same sums.
     for name, grad in one_grads.items():
-        assert grad is not None and grads[name] is not None, name
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-6)
-    # Checkpointing changes nothing either: plain autograd over every block.
-    monkeypatch.setattr(xpress_loss, "checkpoint", lambda fn, *args, **_: fn(*args))
-    plain_loss, _, plain_grads = _run(weights, chunk_blocks=blocks)
-    torch.testing.assert_close(plain_loss, one_loss, rtol=0, atol=0)
-    for name, grad in plain_grads.items():
-        torch.testing.assert_close(grad, one_grads[name], rtol=0, atol=1e-6)
-    with torch.no_grad():  # and without a gradient the chunks run as they are
+    with torch.no_grad():  # and without a gradient the same value
         drafter, (head, hidden, draft) = Drafter(), _inputs()
         no_grad_loss, _ = xpress_drafter_loss(drafter, hidden, head, draft, weights, chunk_blocks=CHUNK)
     torch.testing.assert_close(no_grad_loss, one_loss, rtol=0, atol=0)
 
 
-def test_no_vocabulary_tensor_outlives_its_chunk(monkeypatch) -> None:
-    seen = []
-    original = xpress_loss._chunk_terms
-
-    def recording(refiner, to_logits, base, *args):
-        seen.append(base.shape[0])
-        return original(refiner, to_logits, base, *args)
-
-    monkeypatch.setattr(xpress_loss, "_chunk_terms", recording)
+def test_no_vocabulary_tensor_is_kept_for_the_backward(monkeypatch) -> None:
     saved = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -109,15 +142,40 @@ def test_no_vocabulary_tensor_outlives_its_chunk(monkeypatch) -> None:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss, _, _ = _run(XPressWeights(), chunk_blocks=CHUNK)
-    # Forward, then each chunk recomputed in the backward: never more than CHUNK blocks at once.
-    assert seen[:4] == [3, 3, 3, 1] and sorted(seen[4:]) == [1, 3, 3, 3] and max(seen) == CHUNK
-    # Outside the chunks the graph keeps nothing the vocabulary's size (the checkpoints keep
-    # only their inputs): the [rows, V] logits live only while their chunk runs.
+    # The [rows, V] logits live only while their chunk runs; the readout's gradient is [V, r].
     assert saved and not any(shape and shape[-1] == VOCAB for shape in saved), saved
     assert loss.item() > 0
-    # Without checkpointing the same hook sees every pass's logits: the check can tell.
+    # Autograd through the passes (the reference without checkpoints) keeps them: the check can tell.
     monkeypatch.setattr(xpress_loss, "checkpoint", lambda fn, *args, **_: fn(*args))
     saved.clear()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        _run(XPressWeights(), chunk_blocks=CHUNK)
+        _run(XPressWeights(), chunk_blocks=BATCH * ANCHORS, reference=True)
     assert any(shape and shape[-1] == VOCAB for shape in saved)
+
+
+def test_a_kernel_that_raises_turns_the_fused_path_off_with_a_warning(monkeypatch, caplog) -> None:
+    from dflash_mp.objective import xpress_rows
+
+    expected = _run(XPressWeights(), chunk_blocks=CHUNK)
+    monkeypatch.setattr(xpress_rows, "_fused_error", None)
+    monkeypatch.setattr(xpress_rows, "_fused_tried", False)
+    monkeypatch.setattr(xpress_rows, "fused_dspark_runs_on", lambda device: True)
+    calls = []
+
+    class Broken(xpress_rows._TorchVocabulary):
+        """Fails at the second pass's gradient, after the first pass added to the sums."""
+
+        def gradient(self, *args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("no compiler")
+            return super().gradient(*args)
+
+    monkeypatch.setattr(xpress_rows, "_FusedVocabulary", Broken)
+    with caplog.at_level("WARNING", logger=xpress_rows.__name__):
+        got = _run(XPressWeights(), chunk_blocks=CHUNK)
+    assert len(calls) == 2 and "no compiler" in xpress_rows._fused_error
+    assert "torch path from now on" in caplog.text
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+    for name, grad in expected[2].items():  # the sums the failed chunk had begun were zeroed
+        torch.testing.assert_close(got[2][name], grad, rtol=0, atol=0)

@@ -76,6 +76,7 @@ class ChunkStatistics:
     draft_lse: Tensor
     teacher_lse: Tensor | None
     accepted: Tensor | None  # Q_S = sum_v q_v m_v
+    argmax: Tensor | None = None  # [m] int64: z's first maximum (XPress's next Jacobi guess)
 
 
 def _shared(x: ChunkLogits, tile: int) -> tuple[tuple, dict]:
@@ -107,7 +108,7 @@ def dspark_terms(
     device = x.draft.device
     if rows == 0:
         empty = torch.empty(0, dtype=torch.float32, device=device)
-        return empty.view(0, 3), empty.bool(), ChunkStatistics(empty, None, None)
+        return empty.view(0, 3), empty.bool(), ChunkStatistics(empty, None, None, empty.long())
     args, flags = _shared(x, tile)
     segment_columns = tile * segment_tiles
     segments = triton.cdiv(vocab, segment_columns)
@@ -120,18 +121,18 @@ def dspark_terms(
     _row_statistics[grid](*args, labels, parts, best_at, label_logit, segment_columns, **flags, num_warps=8)
     draft_lse = _merged_log_normaliser(parts[..., 0], parts[..., 1])
     top = parts[..., 4].amax(1, keepdim=True)  # z's first maximum: the lowest index holding it
-    first = torch.where(parts[..., 4] == top, best_at, vocab).amin(1)
+    first = torch.where(parts[..., 4] == top, best_at, vocab).amin(1).long()
     correct = first == labels
     terms[:, 0] = draft_lse - label_logit
     if x.teacher is None:
-        return terms, correct, ChunkStatistics(draft_lse, None, None)
+        return terms, correct, ChunkStatistics(draft_lse, None, None, first)
     teacher_lse = _merged_log_normaliser(parts[..., 2], parts[..., 3])
     sums = torch.empty(rows, segments, 3, dtype=torch.float32, device=device)
     _row_divergence[grid](*args, draft_lse, teacher_lse, sums, segment_columns, **flags, num_warps=8)
     kl, overlap, accepted = sums.sum(1).unbind(-1)
     terms[:, 1] = kl
     terms[:, 2] = 1.0 - overlap
-    return terms, correct, ChunkStatistics(draft_lse, teacher_lse, accepted.contiguous())
+    return terms, correct, ChunkStatistics(draft_lse, teacher_lse, accepted.contiguous(), first)
 
 
 def dspark_grad_in_place(

@@ -58,14 +58,22 @@ class XPressRefiner(nn.Module):
         summary = hidden.mean(dim=1, keepdim=True).expand_as(hidden)
         return torch.cat([self.down_h(hidden), self.down_g(summary)], dim=-1)
 
-    def block_bias(self, prev_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-        """The logit bias [N, Bs, V] given the token before each position, prev_ids [N, Bs]."""
-        latent = self.token_embed(prev_ids.long()).to(cache.dtype)
-        x = self.in_proj(torch.cat([cache, latent], dim=-1))
+    def latent(self, prev_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """The rank-r state [N, Bs, r] that `readout` maps to the bias, given prev_ids [N, Bs]."""
+        embedded = self.token_embed(prev_ids.long()).to(cache.dtype)
+        x = self.in_proj(torch.cat([cache, embedded], dim=-1))
         mixer = self.mix_l * self.causal_tril.to(self.mix_l.dtype)
         x = x + torch.einsum("ckj,njc->nkc", mixer, x)
-        x = x + self.mlp_down(F.silu(self.mlp_gate(x)) * self.mlp_up(x))
-        return self.readout(x)
+        return x + self.mlp_down(F.silu(self.mlp_gate(x)) * self.mlp_up(x))
+
+    def block_bias(self, prev_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """The logit bias [N, Bs, V] given the token before each position, prev_ids [N, Bs]."""
+        return self.readout(self.latent(prev_ids, cache))
+
+    def latent_parameters(self) -> list[nn.Parameter]:
+        """The parameters `latent` reads (not `readout`, nor the hidden cache's projections)."""
+        modules = (self.token_embed, self.in_proj, self.mlp_gate, self.mlp_up, self.mlp_down)
+        return [module.weight for module in modules] + [self.mix_l]
 
 
 def previous_tokens(block: torch.Tensor, before_anchor: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,7 @@ from dflash_mp.kernels.fused_dspark import (
     fused_dspark_runs_on,
 )
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
+from dflash_mp.objective.autocast_operands import in_autocast_dtype
 from dflash_mp.objective.position_weights import dpace_weights
 
 _log = logging.getLogger(__name__)
@@ -320,18 +321,6 @@ def _torch_chunk(
     return terms, correct, sums
 
 
-def _in_autocast_dtype(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
-    """The matmuls' operands in autocast's dtype when it is on (training), else as they are. Cast
-    once per micro-batch, so that no chunk copies the frozen bf16 head to the fp32 hidden states'
-    dtype and autocast back again (two head-sized copies per matmul); the numbers are those of
-    autocast's own casts."""
-    device = next(t for t in tensors if t is not None).device.type
-    if not torch.is_autocast_enabled(device):
-        return tensors
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(None if t is None else t.to(dtype) for t in tensors)
-
-
 class _DSparkRowLoss(torch.autograd.Function):
     """The weighted CE + KL + TV of rows [M] (module docstring), its gradient taken in the forward."""
 
@@ -353,7 +342,7 @@ class _DSparkRowLoss(torch.autograd.Function):
         sums = torch.zeros(3, dtype=torch.float32, device=device)
         size = chunk_rows_of(head.shape[0], opts.block_size, opts.chunk_rows)
         ctx.w2_dtype = None if w2 is None else w2.dtype
-        hidden_in, markov_in, teacher_in, head, w2 = _in_autocast_dtype(hidden, markov, teacher, head, w2)
+        hidden_in, markov_in, teacher_in, head, w2 = in_autocast_dtype(hidden, markov, teacher, head, w2)
         for start in range(0, rows, size):
             part = slice(start, start + size)
             chunked = (hidden_in, markov_in, teacher_in, labels, weights)

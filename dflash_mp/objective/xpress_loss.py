@@ -36,10 +36,10 @@ from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.models.xpress import XPressRefiner, jacobi_passes, teacher_forced
 from dflash_mp.objective.draft_blocks import DraftBlocks
 from dflash_mp.objective.position_weights import dpace_weights
+from dflash_mp.objective.xpress_rows import DENOMINATOR_EPS, XPressRowOptions, xpress_row_loss
 
 # The metrics each micro-batch reports, summed over a step (`xpress_metrics` averages them).
 XPRESS_TERMS = ("tf_loss", "consistency_loss", "base_anchor_loss")
-_DENOMINATOR_EPS = 1e-8  # the reference's `_hard_label_ce`
 
 
 class XPressWeights(NamedTuple):
@@ -136,7 +136,7 @@ def xpress_terms(
     # Each term's sum over the whole micro-batch at once (the unchunked sum's order), then over the
     # micro-batch's scored count, the reference's reduction.
     sums = torch.stack([term.sum() for term in torch.cat(rows_ce, dim=1)])
-    values = sums / (mask.float().sum() + _DENOMINATOR_EPS)
+    values = sums / (mask.float().sum() + DENOMINATOR_EPS)
     loss, terms = values[0], {"tf_loss": values[0].detach()}
     rounds = consistency_rounds(weights)
     if rounds:
@@ -147,6 +147,16 @@ def xpress_terms(
         loss = loss + weights.base_anchor_weight * values[-1]
         terms["base_anchor_loss"] = values[-1].detach()
     return loss, terms, torch.cat(correct)
+
+
+def _named_terms(values: Tensor, options: XPressRowOptions) -> dict[str, Tensor]:
+    """The metrics of the passes' values [P] (detached), as `xpress_terms` names them."""
+    terms = {"tf_loss": values[0].detach()}
+    if options.rounds:
+        terms["consistency_loss"] = values[1 : 1 + options.rounds].mean().detach()
+    if options.base_anchor_weight > 0:
+        terms["base_anchor_loss"] = values[-1].detach()
+    return terms
 
 
 def xpress_drafter_loss(
@@ -167,18 +177,19 @@ def xpress_drafter_loss(
     mask = weights > 0
     decay = torch.where(mask, weights, 0.0)  # weights are decay on scored positions, 0 elsewhere
     flat = (-1, block_size)
-    loss, terms, correct = xpress_terms(
-        drafter.refiner_head,
-        hidden,
-        hidden,
-        labels.reshape(flat),
-        before_anchor.reshape(-1),
-        mask.reshape(flat),
-        decay.reshape(flat),
-        xpress,
-        to_logits=lambda h: drafter.logits(h, lambda x: F.linear(x, head_weight.to(x.dtype))),
-        chunk_blocks=chunk_blocks,
+    options = XPressRowOptions(
+        consistency_rounds(xpress),
+        xpress.consistency_weight,
+        xpress.base_anchor_weight,
+        xpress.base_anchor_full_weight,
+        xpress.dpace_alpha,
+        drafter.output_multiplier,
+        drafter.final_logit_softcapping,
+        chunk_blocks,
     )
+    targets = (labels.reshape(flat), before_anchor.reshape(-1), mask.reshape(flat), decay.reshape(flat))
+    loss, values, correct = xpress_row_loss(drafter.refiner_head, hidden, head_weight, targets, options)
+    terms = _named_terms(values, options)
     with torch.no_grad():
         packed = torch.stack([terms.get(name, torch.zeros((), device=loss.device)) for name in XPRESS_TERMS])
     stats = {

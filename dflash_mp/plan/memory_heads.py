@@ -8,10 +8,10 @@
   - dspark: one chunk of whole blocks (objective/dspark_rows.py, the gradient taken in the
     forward): the draft's logits, its softmax and the teacher's; the blocks per chunk are the
     code's own (models/dspark_fields.py `vocabulary_chunk_blocks`);
-  - xpress: one chunk of whole blocks (objective/xpress_loss.py `xpress_terms`): the head's
-    logits and, per pass (the teacher-forced one, each consistency round, the base anchor), the
-    log-softmax its CE keeps, recomputed in the backward beside that backward's gradients; the
-    blocks per chunk are the code's own (models/dspark_fields.py).
+  - xpress: one chunk of whole blocks (objective/xpress_rows.py, the gradient taken in the
+    forward): the head's logits, z_0 and one pass's logits at a time, and the sum of the passes'
+    gradients, whatever the number of passes; the blocks per chunk are the code's own
+    (models/dspark_fields.py).
 
 Pure Python, as memory.py; the shapes and constants are memory.py's.
 """
@@ -42,13 +42,6 @@ def head_parameters(t: TrainingShape) -> int:
     return 0
 
 
-def xpress_ce_passes(consistency_weight: float, consistency_passes: int, base_anchor_weight: float) -> int:
-    """The passes whose logits XPress's loss keeps: the teacher-forced one, each consistency
-    round (with a weight), the base anchor (with a weight); `xpress_terms` runs the same."""
-    rounds = consistency_passes if consistency_weight > 0 and consistency_passes > 0 else 0
-    return 1 + rounds + (1 if base_anchor_weight > 0 else 0)
-
-
 def loss_rows(t: TrainingShape) -> tuple[int, str]:
     """(the rows the loss reads a hidden state of, their formula): DFlash's scored block indices
     1..Bs-1; every block row for DSpark (it drafts Bs tokens) and XPress (the refiner's input)."""
@@ -72,12 +65,11 @@ def vocabulary_work(t: TrainingShape, c: Constants) -> tuple[str, float, str]:
         )
     if t.arch == "xpress":
         chunk = vocabulary_chunk_blocks(v, t.block_size) * t.block_size
-        per_row = t.xpress_passes * c.xpress_pass_bytes + c.xpress_transient_bytes
         return (
             "XPress vocabulary chunk",
-            min(chunk, rows) * v * per_row,
-            f"min({chunk}, {rows_formula}) x V x ({t.xpress_passes} passes x {c.xpress_pass_bytes:g} B "
-            f"+ {c.xpress_transient_bytes:g} B in flight)",
+            min(chunk, rows) * v * c.xpress_chunk_bytes,
+            f"min({chunk}, {rows_formula}) x V x {c.xpress_chunk_bytes:g} B "
+            "(raw logits, z_0 and one pass's z, its bias, the sum of the gradients)",
         )
     chunk = min(c.lm_head_chunk_rows, rows) * v * c.lm_head_bytes_per_logit
     return (

@@ -1,0 +1,323 @@
+"""XPress's loss with its gradient taken during the forward (`xpress_row_loss`), what training runs.
+
+The value is `xpress_terms`' (xpress_loss.py, the autograd reference the tests compare with): per
+chunk of whole blocks, the head's logits z_0 = scale(hidden @ head.T) and each pass's
+z = z_0 + readout(latent(previous tokens)): the teacher-forced pass, then each Jacobi round on the
+previous pass's argmax, then the base anchor (z_0 alone). Each pass's CE with its row weights c
+(decay x mask, or D-PACE from that CE, times the term's weight over the scored count) has
+
+    dLoss/dz = c (softmax(z) - onehot(label)),
+
+which goes three ways: into the readout's gradient (dz.T @ latent) and the latent's (dz @ readout),
+and, summed over the passes in fp32, through scale's derivative into the hidden states' (one head
+matmul per chunk). The latents' gradients run back through the refiner's rank-r layers
+(`XPressRefiner.latent`, autograd inside the forward, per chunk) to its parameters and to the
+hidden cache, whose own backward (down_h, down_g) autograd takes outside. The [rows, V] tensors are
+neither kept nor recomputed: against `xpress_terms` under checkpointing, one head matmul per chunk
+instead of four, no fp32 log-softmax saved per pass, no second forward.
+
+Vocabulary work: on CUDA with Triton, fused_dspark.py's passes in their CE-only form over the
+matmuls' bf16 outputs (statistics with the argmax, then dz written over the pass's bias); elsewhere,
+or once a kernel raised, torch ops on fp32 copies. Memory per chunk: the head's raw logits, one
+bias buffer (both in the matmul dtype) and the fp32 sum of the passes' dz; the torch path adds the
+fp32 z_0 and one pass's fp32 z.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflash_mp.kernels.fused_dspark import (
+    ChunkLogits,
+    dspark_grad_in_place,
+    dspark_terms,
+    fused_dspark_runs_on,
+)
+from dflash_mp.models.drafter import scale_logits
+from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
+from dflash_mp.models.xpress import XPressRefiner, previous_tokens
+from dflash_mp.objective.autocast_operands import in_autocast_dtype
+from dflash_mp.objective.position_weights import dpace_weights
+
+_log = logging.getLogger(__name__)
+_fused_error: str | None = None  # the kernels' first error: the torch path from then on
+_fused_tried = False  # whether a fused chunk ran in this process
+DENOMINATOR_EPS = 1e-8  # the reference's `_hard_label_ce`
+
+
+@dataclass(frozen=True)
+class XPressRowOptions:
+    """How `xpress_row_loss` weighs and scales its passes (`XPressWeights` and the logit scaling)."""
+
+    rounds: int  # Jacobi rounds with a consistency weight (0: none)
+    consistency_weight: float
+    base_anchor_weight: float
+    base_anchor_full_weight: bool
+    dpace_alpha: float | None
+    multiplier: float = 1.0
+    softcap: float | None = None
+    chunk_blocks: int | None = None  # None: vocabulary_chunk_blocks
+
+    def pass_weights(self) -> list[tuple[float, bool]]:
+        """(the pass's weight in the loss before the denominator, whether it is decayed) per pass:
+        the teacher-forced one, each round, the base anchor (when weighted)."""
+        passes = [(1.0, True)]
+        if self.rounds:
+            passes += [(self.consistency_weight / self.rounds, True)] * self.rounds
+        if self.base_anchor_weight > 0:
+            passes.append((self.base_anchor_weight, not self.base_anchor_full_weight))
+        return passes
+
+
+@dataclass
+class _Targets:
+    """One chunk's blocks: labels, the token before each anchor, scored positions, decay [n, Bs]."""
+
+    labels: Tensor
+    before_anchor: Tensor
+    mask: Tensor
+    decay: Tensor
+
+
+class _TorchVocabulary:
+    """The passes' vocabulary work in torch ops on fp32 [n, V] copies."""
+
+    def __init__(self, raw: Tensor, labels: Tensor, opts: XPressRowOptions) -> None:
+        self.base = scale_logits(raw.float(), opts.multiplier, opts.softcap)  # z_0, read by every pass
+        self.labels = labels[:, None]
+
+    def statistics(self, bias: Tensor | None) -> tuple[Tensor, Tensor, tuple]:
+        """(CE [n], argmax [n], what `gradient` reads) of z_0 + bias."""
+        z = self.base if bias is None else self.base + bias.float()
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        return (lse - z.gather(-1, self.labels))[:, 0], z.argmax(-1), (z, lse)
+
+    def gradient(self, bias: Tensor | None, state: tuple, c: Tensor) -> Tensor:
+        """dLoss/dz [n, V] for row weights c [n] (fp32; over the pass's z, which ends there)."""
+        z, lse = state
+        z = z.clone() if bias is None else z
+        return z.sub_(lse).exp_().mul_(c[:, None]).scatter_add_(-1, self.labels, -c[:, None])
+
+
+class _FusedVocabulary:
+    """The same through fused_dspark.py's CE-only passes on the matmuls' outputs (CUDA)."""
+
+    def __init__(self, raw: Tensor, labels: Tensor, opts: XPressRowOptions) -> None:
+        self.raw, self.labels, self.opts = raw, labels, opts
+
+    def _logits(self, bias: Tensor | None) -> ChunkLogits:
+        return ChunkLogits(self.raw, bias, None, self.labels, self.opts.multiplier, self.opts.softcap)
+
+    def statistics(self, bias: Tensor | None) -> tuple[Tensor, Tensor, object]:
+        terms, _, stats = dspark_terms(self._logits(bias))
+        return terms[:, 0], stats.argmax, stats
+
+    def gradient(self, bias: Tensor | None, state, c: Tensor) -> Tensor:
+        """dz written over `bias` (z_0's pass: over zeros, so that z is z_0 to the bit)."""
+        bias = torch.zeros_like(self.raw) if bias is None else bias
+        weights = torch.zeros(c.shape[0], 3, dtype=torch.float32, device=c.device)
+        weights[:, 0] = c
+        return dspark_grad_in_place(self._logits(bias), state, weights, draft_grad=False)[1]
+
+
+def _fused_on(device: torch.device) -> bool:
+    return _fused_error is None and fused_dspark_runs_on(device)
+
+
+def _first_chunk_guarded(args: tuple, grads: _Grads | None) -> tuple[Tensor, Tensor]:
+    """The process's first fused chunk (the kernels compile there): if a kernel raises, a warning
+    names the error and the chunk runs again on the torch path, as every later one will. It is
+    the first chunk of its micro-batch, so the sums it had begun are zeroed first."""
+    global _fused_error, _fused_tried
+    _fused_tried = True
+    try:
+        return _chunk(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:  # the torch path gives the same numbers, slower
+        _fused_error = f"{type(error).__name__}: {error}"
+        _log.warning("XPress's fused loss kernels failed, the torch path from now on (%s)", _fused_error)
+        if grads is not None:
+            for total in (grads.readout, *grads.latent):
+                total.zero_()
+        return _chunk(*args)
+
+
+def _row_weights(ce: Tensor, targets: _Targets, decayed: bool, dpace_alpha: float | None) -> Tensor:
+    """A pass's weights [n, Bs] of its CE [n, Bs], as `weighted_ce` takes them."""
+    if decayed and dpace_alpha is not None:
+        return dpace_weights(ce, targets.mask, dpace_alpha)
+    weight = targets.mask.float()
+    return weight * targets.decay.float() if decayed else weight
+
+
+@dataclass
+class _Grads:
+    """The gradients the forward takes: hidden rows, hidden cache, readout (fp32 sum), latent
+    parameters (fp32 sums); None where not wanted."""
+
+    hidden: Tensor
+    cache: Tensor
+    readout: Tensor
+    latent: list[Tensor]
+
+
+def _chunk(refiner, head, raw, cache, targets, readout, scales, opts, grads, rows) -> tuple[Tensor, Tensor]:
+    """One chunk's passes: (mask x weight x CE [P, n, Bs] per pass, teacher-forced argmax == label
+    and scored [n, Bs]); their gradients into `grads` (`rows`: the chunk's rows of the hidden)."""
+    blocks, block_size = targets.labels.shape
+    labels = targets.labels.flatten()
+    vocab = (_FusedVocabulary if _fused_on(raw.device) else _TorchVocabulary)(raw, labels, opts)
+    base_ce, guess, base_state = vocab.statistics(None)
+    acc = None if grads is None else torch.zeros(raw.shape, dtype=torch.float32, device=raw.device)
+    cache_leaf = cache.view(blocks, block_size, -1).detach().requires_grad_(grads is not None)
+    weighted, latents, latent_grads = [], [], []
+    prev = previous_tokens(targets.labels, targets.before_anchor)  # the teacher-forced pass's
+    correct = None
+    for index, (_, decayed) in enumerate(opts.pass_weights()[: 1 + opts.rounds]):
+        if index:  # a Jacobi round on the previous round's argmax (the first: z_0's)
+            guess = guess.view(blocks, block_size).clone()
+            guess[:, 0] = targets.labels[:, 0]
+            prev = previous_tokens(guess, targets.before_anchor)
+        with torch.enable_grad() if grads is not None else torch.no_grad():
+            latent = refiner.latent(prev, cache_leaf)
+        flat = latent.detach().flatten(0, 1).to(readout.dtype)
+        bias = F.linear(flat, readout)
+        ce, argmax, state = vocab.statistics(bias)
+        if index == 0:
+            correct = (argmax.view(blocks, block_size) == targets.labels) & targets.mask
+        else:
+            guess = argmax
+        weights = _row_weights(ce.view(blocks, block_size), targets, decayed, opts.dpace_alpha)
+        weighted.append(ce.view(blocks, block_size) * weights)
+        if grads is not None:
+            dz = vocab.gradient(bias, state, (weights * scales[index]).flatten())
+            acc.add_(dz)
+            dz = dz.to(readout.dtype)
+            latent_grads.append((dz @ readout).view_as(latent).to(latent.dtype))
+            grads.readout += (dz.T @ flat).float()
+            latents.append(latent)
+        del bias, state
+    if opts.base_anchor_weight > 0:
+        weights = _row_weights(
+            base_ce.view(blocks, block_size), targets, opts.pass_weights()[-1][1], opts.dpace_alpha
+        )
+        weighted.append(base_ce.view(blocks, block_size) * weights)
+        if grads is not None:
+            acc.add_(vocab.gradient(None, base_state, (weights * scales[-1]).flatten()))
+    if grads is not None:
+        _scale_derivative_(acc, raw, opts)
+        grads.hidden[rows] = acc.to(raw.dtype) @ head
+        del acc
+        found = torch.autograd.grad(latents, [cache_leaf, *refiner.latent_parameters()], latent_grads)
+        grads.cache[rows] = found[0].flatten(0, 1)
+        for total, grad in zip(grads.latent, found[1:], strict=True):
+            total += grad.float()
+    return torch.stack(weighted), correct
+
+
+def _scale_derivative_(dz: Tensor, raw: Tensor, opts: XPressRowOptions) -> None:
+    """dz times scale_logits' derivative at the raw logits: the multiplier, soft-capping's 1 - tanh^2."""
+    if opts.softcap is not None and opts.softcap > 0:
+        tanh = torch.tanh(raw.float() * opts.multiplier / opts.softcap)
+        dz.mul_(tanh.mul_(tanh).neg_().add_(1.0))
+    if opts.multiplier != 1.0:
+        dz.mul_(opts.multiplier)
+
+
+class _XPressRowLoss(torch.autograd.Function):
+    """XPress's loss over the blocks (module docstring), its gradient taken in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, cache, readout, head, targets, opts, refiner, grad_enabled, *latent_params):
+        blocks, block_size = targets.labels.shape
+        want = grad_enabled and any(ctx.needs_input_grad[:3] + ctx.needs_input_grad[8:])
+        grads = None
+        if want:
+            fp32 = lambda t: torch.zeros_like(t, dtype=torch.float32)  # noqa: E731
+            grads = _Grads(
+                torch.empty_like(hidden),
+                torch.empty_like(cache),
+                fp32(readout),
+                [fp32(p) for p in latent_params],
+            )
+        ctx.dtypes = (readout.dtype, [p.dtype for p in latent_params])
+        denominator = targets.mask.float().sum() + DENOMINATOR_EPS
+        scales = torch.stack(
+            [torch.as_tensor(w, device=hidden.device) / denominator for w, _ in opts.pass_weights()]
+        )
+        hidden_in, head, readout = in_autocast_dtype(hidden, head, readout)
+        chunk = opts.chunk_blocks or vocabulary_chunk_blocks(head.shape[0], block_size)
+        weighted, correct = [], []
+        for start in range(0, blocks, chunk):
+            part = slice(start, start + chunk)
+            rows = slice(start * block_size, (start + chunk) * block_size)
+            raw = F.linear(hidden_in[rows], head)
+            chunk_targets = _Targets(
+                *(t[part] for t in (targets.labels, targets.before_anchor, targets.mask, targets.decay))
+            )
+            args = (refiner, head, raw, cache[rows], chunk_targets, readout, scales, opts, grads, rows)
+            if _fused_on(raw.device) and not _fused_tried:
+                chunk_weighted, chunk_correct = _first_chunk_guarded(args, grads)
+            else:
+                chunk_weighted, chunk_correct = _chunk(*args)
+            del raw
+            weighted.append(chunk_weighted)
+            correct.append(chunk_correct)
+        # Each pass's sum over the micro-batch at once (as `xpress_terms`), over the scored count.
+        values = torch.stack([term.sum() for term in torch.cat(weighted, dim=1)]) / denominator
+        loss = _loss_of(values, opts)
+        saved = [] if grads is None else [grads.hidden, grads.cache, grads.readout, *grads.latent]
+        ctx.save_for_backward(*saved)
+        correct = torch.cat(correct)
+        ctx.mark_non_differentiable(values, correct)
+        return loss, values, correct
+
+    @staticmethod
+    def backward(ctx, loss_grad, *_non_differentiable):
+        if not ctx.saved_tensors:
+            return (None,) * (8 + len(ctx.dtypes[1]))
+        hidden, cache, readout, *latent = ctx.saved_tensors
+        readout_dtype, latent_dtypes = ctx.dtypes
+        scaled = [(g * loss_grad).to(dtype) for g, dtype in zip(latent, latent_dtypes, strict=True)]
+        return (
+            hidden * loss_grad.to(hidden.dtype), cache * loss_grad.to(cache.dtype),
+            (readout * loss_grad).to(readout_dtype), None, None, None, None, None, *scaled,
+        )  # fmt: skip
+
+
+def _loss_of(values: Tensor, opts: XPressRowOptions) -> Tensor:
+    """The loss of the passes' values [P], as `xpress_terms` adds them."""
+    loss = values[0]
+    if opts.rounds:
+        loss = loss + opts.consistency_weight * values[1 : 1 + opts.rounds].mean()
+    if opts.base_anchor_weight > 0:
+        loss = loss + opts.base_anchor_weight * values[-1]
+    return loss
+
+
+def xpress_row_loss(
+    refiner: XPressRefiner,
+    hidden: Tensor,
+    head: Tensor,
+    targets: tuple[Tensor, Tensor, Tensor, Tensor],
+    opts: XPressRowOptions,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, each pass's value [P], teacher-forced argmax == label on scored positions [N, Bs]) of
+    the drafter's hidden states [N, Bs, H] through the frozen head [V, H], for targets (labels
+    [N, Bs] with the anchor at index 0, the token before each anchor [N], scored positions and
+    decay [N, Bs]): `xpress_terms`' values with the gradient taken in the forward."""
+    if torch.is_grad_enabled() and head.requires_grad:
+        raise ValueError("xpress_row_loss takes no gradient for the head: it must be frozen")
+    cache = refiner.hidden_cache(hidden).flatten(0, 1)
+    blocks = _Targets(*targets)
+    params = refiner.latent_parameters()
+    flat = hidden.flatten(0, 1)
+    return _XPressRowLoss.apply(
+        flat, cache, refiner.readout.weight, head, blocks, opts, refiner, torch.is_grad_enabled(), *params
+    )
