@@ -20,7 +20,7 @@ from dflash_mp.objective import dspark_rows, xpress_rows
 from dflash_mp.plan.cli import main as plan_main
 from dflash_mp.plan.memory import DEFAULT_CONSTANTS, drafter_parameters, drafter_rank
 from dflash_mp.plan.memory_check import training_shape
-from dflash_mp.plan.memory_heads import head_parameters, vocabulary_work
+from dflash_mp.plan.memory_heads import head_parameters, vocabulary_work, xpress_ce_passes
 from dflash_mp.plan.targets import PRESET_TARGETS
 
 QWEN3_8B = PRESET_TARGETS["qwen3-8b"]
@@ -98,9 +98,13 @@ def test_the_xpress_chunk_holds_what_the_loss_holds_whatever_the_passes(weight, 
             refiner, states, head, (labels, labels[:, 0], mask, mask.float()), options
         )
     elements = blocks * block * vocab
-    # The model counts the GPU's bf16 raw logits and bias (2 B each); on the CPU they are fp32: +4 B.
-    per_element = live.peak / elements - 4
-    assert 0.75 * DEFAULT_CONSTANTS.xpress_chunk_bytes <= per_element <= DEFAULT_CONSTANTS.xpress_chunk_bytes
+    # On the CPU the matmul outputs are fp32: the raw logits and each pass's dz take 2 B more than
+    # the model's bf16; no fp32 copy of the bias is made, and logsumexp keeps no temporary (4 B
+    # less each): 12 B + 4 B a pass, what the model's 18 B + 2 B a pass becomes there.
+    c, count = DEFAULT_CONSTANTS, xpress_ce_passes(weight, passes, anchor)
+    assert count == len(options.pass_weights())
+    cpu = c.xpress_chunk_bytes + 2 - 4 - 4 + count * (c.xpress_pass_bytes + 2)
+    assert 0.9 * cpu <= live.peak / elements <= cpu
     assert loss.item() > 0
     overrides = [f"model.xpress_consistency_weight={weight}", f"model.xpress_consistency_passes={passes}"]
     shape = _shape("model.arch=xpress", *overrides, f"model.xpress_base_anchor_weight={anchor}")
@@ -108,7 +112,8 @@ def test_the_xpress_chunk_holds_what_the_loss_holds_whatever_the_passes(weight, 
     rows = shape.micro_batch * shape.num_anchors * shape.block_size
     chunk = vocabulary_chunk_blocks(shape.target.vocab, shape.block_size) * shape.block_size
     assert name == "XPress vocabulary chunk"
-    assert nbytes == min(chunk, rows) * shape.target.vocab * DEFAULT_CONSTANTS.xpress_chunk_bytes
+    per_element = c.xpress_chunk_bytes + shape.xpress_passes * c.xpress_pass_bytes
+    assert shape.xpress_passes == count and nbytes == min(chunk, rows) * shape.target.vocab * per_element
 
 
 def test_the_xpress_chunk_is_the_one_the_loss_takes(monkeypatch) -> None:

@@ -26,7 +26,7 @@ fp32 z_0 and one pass's fp32 z.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -97,11 +97,11 @@ class _TorchVocabulary:
         lse = torch.logsumexp(z, dim=-1, keepdim=True)
         return (lse - z.gather(-1, self.labels))[:, 0], z.argmax(-1), (z, lse)
 
-    def gradient(self, bias: Tensor | None, state: tuple, c: Tensor) -> Tensor:
-        """dLoss/dz [n, V] for row weights c [n] (fp32; over the pass's z, which ends there)."""
+    def gradient(self, bias: Tensor | None, state: tuple, c: Tensor, into: Tensor) -> None:
+        """dLoss/dz for row weights c [n] into `into` (the pass's z, not z_0's, ends as scratch)."""
         z, lse = state
         z = z.clone() if bias is None else z
-        return z.sub_(lse).exp_().mul_(c[:, None]).scatter_add_(-1, self.labels, -c[:, None])
+        into.copy_(z.sub_(lse).exp_().mul_(c[:, None]).scatter_add_(-1, self.labels, -c[:, None]))
 
 
 class _FusedVocabulary:
@@ -117,16 +117,122 @@ class _FusedVocabulary:
         terms, _, stats = dspark_terms(self._logits(bias))
         return terms[:, 0], stats.argmax, stats
 
-    def gradient(self, bias: Tensor | None, state, c: Tensor) -> Tensor:
-        """dz written over `bias` (z_0's pass: over zeros, so that z is z_0 to the bit)."""
-        bias = torch.zeros_like(self.raw) if bias is None else bias
+    def gradient(self, bias: Tensor | None, state, c: Tensor, into: Tensor) -> None:
+        """dz written over `into`: the pass's bias itself, or (z_0's pass) zeros, so that z is z_0
+        to the bit."""
+        if bias is None:
+            into.zero_()
         weights = torch.zeros(c.shape[0], 3, dtype=torch.float32, device=c.device)
         weights[:, 0] = c
-        return dspark_grad_in_place(self._logits(bias), state, weights, draft_grad=False)[1]
+        dspark_grad_in_place(self._logits(into), state, weights, draft_grad=False)
 
 
 def _fused_on(device: torch.device) -> bool:
     return _fused_error is None and fused_dspark_runs_on(device)
+
+
+def _row_weights(ce: Tensor, targets: _Targets, decayed: bool, dpace_alpha: float | None) -> Tensor:
+    """A pass's weights [n, Bs] of its CE [n, Bs], as `weighted_ce` takes them."""
+    if decayed and dpace_alpha is not None:
+        return dpace_weights(ce, targets.mask, dpace_alpha)
+    weight = targets.mask.float()
+    return weight * targets.decay.float() if decayed else weight
+
+
+@dataclass
+class _Grads:
+    """The gradients the forward takes (fp32 sums where chunks add to them), and the latents with
+    their gradients, taken back through the refiner once all chunks ran."""
+
+    hidden: Tensor
+    cache: Tensor
+    readout: Tensor
+    latent: list[Tensor]
+    pending: list[tuple[Tensor, Tensor, Tensor, slice]] = field(default_factory=list)
+
+    def take_latent_gradients(self, params: list[Tensor]) -> None:
+        """One backward through the refiner's rank-r layers for every chunk's latents: the hidden
+        cache's rows and the parameters' sums (one embedding gradient, not one per chunk)."""
+        if not self.pending:
+            return
+        latents, latent_grads, leaves, rows = zip(*self.pending, strict=True)
+        self.pending = []
+        chunks = list({id(leaf): (leaf, part) for leaf, part in zip(leaves, rows, strict=True)}.values())
+        found = torch.autograd.grad(latents, [leaf for leaf, _ in chunks] + params, latent_grads)
+        for (_, part), grad in zip(chunks, found, strict=False):
+            self.cache[part] = grad.flatten(0, 1)
+        for total, grad in zip(self.latent, found[len(chunks) :], strict=True):
+            total += grad.float()
+
+
+def _chunk(refiner, head, raw, cache, targets, readout, scales, opts, grads, rows) -> tuple[Tensor, Tensor]:
+    """One chunk's passes: (mask x weight x CE [P, n, Bs] per pass, teacher-forced argmax == label
+    and scored [n, Bs]); their gradients into `grads` (`rows`: the chunk's rows of the hidden)."""
+    blocks, block_size = targets.labels.shape
+    kind = _FusedVocabulary if _fused_on(raw.device) else _TorchVocabulary
+    vocab = kind(raw, targets.labels.flatten(), opts)
+    base_ce, guess, base_state = vocab.statistics(None)
+    passes = opts.pass_weights()
+    biased = 1 + opts.rounds  # the passes with a bias: the teacher-forced one and the rounds
+    # Each pass's bias, then its dz over it: one sum of the dz and one readout matmul per chunk.
+    dz = None
+    if grads is not None:
+        dz = torch.empty(len(passes), *raw.shape, dtype=readout.dtype, device=raw.device)
+    cache_leaf = cache.view(blocks, block_size, -1).detach().requires_grad_(grads is not None)
+    weighted, latents, flats = [], [], []
+    prev = previous_tokens(targets.labels, targets.before_anchor)  # the teacher-forced pass's
+    correct = None
+    for index in range(biased):
+        if index:  # a Jacobi round on the previous round's argmax (the first: z_0's)
+            guess = guess.view(blocks, block_size).clone()
+            guess[:, 0] = targets.labels[:, 0]
+            prev = previous_tokens(guess, targets.before_anchor)
+        with torch.enable_grad() if grads is not None else torch.no_grad():
+            latent = refiner.latent(prev, cache_leaf)
+        flat = latent.detach().flatten(0, 1).to(readout.dtype)
+        bias = F.linear(flat, readout) if dz is None else torch.mm(flat, readout.t(), out=dz[index])
+        ce, argmax, state = vocab.statistics(bias)
+        if index == 0:
+            correct = (argmax.view(blocks, block_size) == targets.labels) & targets.mask
+        else:
+            guess = argmax
+        weights = _row_weights(ce.view(blocks, block_size), targets, passes[index][1], opts.dpace_alpha)
+        weighted.append(ce.view(blocks, block_size) * weights)
+        if dz is not None:
+            vocab.gradient(bias, state, (weights * scales[index]).flatten(), dz[index])
+            latents.append(latent)
+            flats.append(flat)
+        del bias, state
+    if opts.base_anchor_weight > 0:
+        weights = _row_weights(base_ce.view(blocks, block_size), targets, passes[-1][1], opts.dpace_alpha)
+        weighted.append(base_ce.view(blocks, block_size) * weights)
+        if dz is not None:
+            vocab.gradient(None, base_state, (weights * scales[-1]).flatten(), dz[-1])
+    if dz is not None:
+        del vocab, base_state
+        grads.hidden[rows] = _raw_gradient(dz, raw, opts) @ head
+        with_bias = dz[:biased].flatten(0, 1)
+        flat = torch.cat(flats)
+        grads.readout += (with_bias.T @ flat).float()
+        latent_grads = (with_bias @ readout).split(flat.shape[0] // biased)
+        for latent, grad in zip(latents, latent_grads, strict=True):
+            grads.pending.append((latent, grad.view_as(latent).to(latent.dtype), cache_leaf, rows))
+    return torch.stack(weighted), correct
+
+
+def _raw_gradient(dz: Tensor, raw: Tensor, opts: XPressRowOptions) -> Tensor:
+    """The raw logits' gradient in their dtype: the passes' dz [P, n, V] summed in fp32, times
+    scale_logits' derivative (the multiplier, soft-capping's 1 - tanh^2)."""
+    capped = opts.softcap is not None and opts.softcap > 0
+    if not capped and opts.multiplier == 1.0 and dz.dtype == raw.dtype:
+        return dz.sum(0)  # reduced in fp32 for bf16 too
+    total = dz.sum(0, dtype=torch.float32)
+    if capped:
+        tanh = torch.tanh(raw.float() * opts.multiplier / opts.softcap)
+        total.mul_(tanh.mul_(tanh).neg_().add_(1.0))
+    if opts.multiplier != 1.0:
+        total.mul_(opts.multiplier)
+    return total.to(raw.dtype)
 
 
 def _first_chunk_guarded(args: tuple, grads: _Grads | None) -> tuple[Tensor, Tensor]:
@@ -142,92 +248,10 @@ def _first_chunk_guarded(args: tuple, grads: _Grads | None) -> tuple[Tensor, Ten
     except Exception as error:  # the torch path gives the same numbers, slower
         _fused_error = f"{type(error).__name__}: {error}"
         _log.warning("XPress's fused loss kernels failed, the torch path from now on (%s)", _fused_error)
-        if grads is not None:
-            for total in (grads.readout, *grads.latent):
-                total.zero_()
+        if grads is not None:  # the first chunk: nothing but its own shares yet
+            grads.readout.zero_()
+            grads.pending.clear()
         return _chunk(*args)
-
-
-def _row_weights(ce: Tensor, targets: _Targets, decayed: bool, dpace_alpha: float | None) -> Tensor:
-    """A pass's weights [n, Bs] of its CE [n, Bs], as `weighted_ce` takes them."""
-    if decayed and dpace_alpha is not None:
-        return dpace_weights(ce, targets.mask, dpace_alpha)
-    weight = targets.mask.float()
-    return weight * targets.decay.float() if decayed else weight
-
-
-@dataclass
-class _Grads:
-    """The gradients the forward takes: hidden rows, hidden cache, readout (fp32 sum), latent
-    parameters (fp32 sums); None where not wanted."""
-
-    hidden: Tensor
-    cache: Tensor
-    readout: Tensor
-    latent: list[Tensor]
-
-
-def _chunk(refiner, head, raw, cache, targets, readout, scales, opts, grads, rows) -> tuple[Tensor, Tensor]:
-    """One chunk's passes: (mask x weight x CE [P, n, Bs] per pass, teacher-forced argmax == label
-    and scored [n, Bs]); their gradients into `grads` (`rows`: the chunk's rows of the hidden)."""
-    blocks, block_size = targets.labels.shape
-    labels = targets.labels.flatten()
-    vocab = (_FusedVocabulary if _fused_on(raw.device) else _TorchVocabulary)(raw, labels, opts)
-    base_ce, guess, base_state = vocab.statistics(None)
-    acc = None if grads is None else torch.zeros(raw.shape, dtype=torch.float32, device=raw.device)
-    cache_leaf = cache.view(blocks, block_size, -1).detach().requires_grad_(grads is not None)
-    weighted, latents, latent_grads = [], [], []
-    prev = previous_tokens(targets.labels, targets.before_anchor)  # the teacher-forced pass's
-    correct = None
-    for index, (_, decayed) in enumerate(opts.pass_weights()[: 1 + opts.rounds]):
-        if index:  # a Jacobi round on the previous round's argmax (the first: z_0's)
-            guess = guess.view(blocks, block_size).clone()
-            guess[:, 0] = targets.labels[:, 0]
-            prev = previous_tokens(guess, targets.before_anchor)
-        with torch.enable_grad() if grads is not None else torch.no_grad():
-            latent = refiner.latent(prev, cache_leaf)
-        flat = latent.detach().flatten(0, 1).to(readout.dtype)
-        bias = F.linear(flat, readout)
-        ce, argmax, state = vocab.statistics(bias)
-        if index == 0:
-            correct = (argmax.view(blocks, block_size) == targets.labels) & targets.mask
-        else:
-            guess = argmax
-        weights = _row_weights(ce.view(blocks, block_size), targets, decayed, opts.dpace_alpha)
-        weighted.append(ce.view(blocks, block_size) * weights)
-        if grads is not None:
-            dz = vocab.gradient(bias, state, (weights * scales[index]).flatten())
-            acc.add_(dz)
-            dz = dz.to(readout.dtype)
-            latent_grads.append((dz @ readout).view_as(latent).to(latent.dtype))
-            grads.readout += (dz.T @ flat).float()
-            latents.append(latent)
-        del bias, state
-    if opts.base_anchor_weight > 0:
-        weights = _row_weights(
-            base_ce.view(blocks, block_size), targets, opts.pass_weights()[-1][1], opts.dpace_alpha
-        )
-        weighted.append(base_ce.view(blocks, block_size) * weights)
-        if grads is not None:
-            acc.add_(vocab.gradient(None, base_state, (weights * scales[-1]).flatten()))
-    if grads is not None:
-        _scale_derivative_(acc, raw, opts)
-        grads.hidden[rows] = acc.to(raw.dtype) @ head
-        del acc
-        found = torch.autograd.grad(latents, [cache_leaf, *refiner.latent_parameters()], latent_grads)
-        grads.cache[rows] = found[0].flatten(0, 1)
-        for total, grad in zip(grads.latent, found[1:], strict=True):
-            total += grad.float()
-    return torch.stack(weighted), correct
-
-
-def _scale_derivative_(dz: Tensor, raw: Tensor, opts: XPressRowOptions) -> None:
-    """dz times scale_logits' derivative at the raw logits: the multiplier, soft-capping's 1 - tanh^2."""
-    if opts.softcap is not None and opts.softcap > 0:
-        tanh = torch.tanh(raw.float() * opts.multiplier / opts.softcap)
-        dz.mul_(tanh.mul_(tanh).neg_().add_(1.0))
-    if opts.multiplier != 1.0:
-        dz.mul_(opts.multiplier)
 
 
 class _XPressRowLoss(torch.autograd.Function):
@@ -269,6 +293,8 @@ class _XPressRowLoss(torch.autograd.Function):
             del raw
             weighted.append(chunk_weighted)
             correct.append(chunk_correct)
+        if grads is not None:
+            grads.take_latent_gradients(list(latent_params))
         # Each pass's sum over the micro-batch at once (as `xpress_terms`), over the scored count.
         values = torch.stack([term.sum() for term in torch.cat(weighted, dim=1)]) / denominator
         loss = _loss_of(values, opts)

@@ -70,13 +70,13 @@ class Constants:
     # gradient), its softmax and the teacher's (a fourth with soft-capping; 3.09 chunks measured on
     # CPU); the fused CUDA path (kernels/fused_dspark.py) holds the matmuls' bf16 outputs alone,
     # 1.5, so this errs high by ~0.4 GiB at the Qwen3-8B shape. XPress, per element of its chunk of
-    # blocks (objective/xpress_rows.py, the gradient taken in the forward), on the torch path: the
-    # head's raw logits (bf16), fp32 z_0 and one pass's fp32 z with logsumexp's fp32 temporary, that
-    # pass's bf16 bias, the fp32 sum of the passes' dz (the CPU's fp32 peak, less 4 B for its fp32
-    # raw logits and bias, is measured in tests/test_plan_memory_heads.py); the fused path holds
-    # about half.
+    # blocks (objective/xpress_rows.py, the gradient taken in the forward): each pass's bias, then its
+    # dz, in the matmul dtype (bf16: 2 B a pass); on the torch path beside them the raw logits (bf16),
+    # fp32 z_0, one pass's fp32 z, logsumexp's fp32 temporary and the bias's fp32 copy (18 B); the
+    # fused path holds 4 of those 18. tests/test_plan_memory_heads.py measures the CPU's fp32 peak.
     dspark_chunk_copies: float = 3.0
-    xpress_chunk_bytes: float = 20.0
+    xpress_chunk_bytes: float = 18.0
+    xpress_pass_bytes: float = 2.0
     # Features [S, K x hidden] in bf16: on a drafter rank the micro-batch trained on and the next,
     # being received; on a colocated rank the one trained on; on a target rank the sends in flight
     # (topology.max_inflight_sends) besides the forward's own.
@@ -124,6 +124,7 @@ class TrainingShape:
     confidence_head_with_markov: bool = True
     xpress_rank: int = 256
     xpress_mlp_ratio: int = 2
+    xpress_passes: int = 5  # passes whose gradient XPress's loss holds (memory_heads.xpress_ce_passes)
     teacher_layer: bool = False  # DSpark: the last of the feature layers is the teacher's, not fc's input
     target_mlp_width: int = 0  # one token's MLP activations in the target (0: the dense width)
     target_parallel: int = 1

@@ -25,6 +25,7 @@ from dflash_mp.plan.memory import (
     target_weights,
     with_checkpointing,
 )
+from dflash_mp.plan.memory_heads import xpress_ce_passes
 
 GPU_MEMORY_ENV = "DFLASH_MP_GPU_MEMORY_GIB"
 
@@ -78,6 +79,9 @@ def drafter_head_fields(m: Any) -> dict[str, Any]:
         confidence_head_with_markov=m.confidence_head_with_markov,
         xpress_rank=m.xpress_rank,
         xpress_mlp_ratio=m.xpress_mlp_ratio,
+        xpress_passes=xpress_ce_passes(
+            m.xpress_consistency_weight, m.xpress_consistency_passes, m.xpress_base_anchor_weight
+        ),
     )
 
 

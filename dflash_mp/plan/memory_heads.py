@@ -9,9 +9,8 @@
     forward): the draft's logits, its softmax and the teacher's; the blocks per chunk are the
     code's own (models/dspark_fields.py `vocabulary_chunk_blocks`);
   - xpress: one chunk of whole blocks (objective/xpress_rows.py, the gradient taken in the
-    forward): the head's logits, z_0 and one pass's logits at a time, and the sum of the passes'
-    gradients, whatever the number of passes; the blocks per chunk are the code's own
-    (models/dspark_fields.py).
+    forward): the head's logits, each pass's bias and then its gradient, z_0 and one pass's logits
+    in fp32 (torch path); the blocks per chunk are the code's own (models/dspark_fields.py).
 
 Pure Python, as memory.py; the shapes and constants are memory.py's.
 """
@@ -42,6 +41,14 @@ def head_parameters(t: TrainingShape) -> int:
     return 0
 
 
+def xpress_ce_passes(consistency_weight: float, consistency_passes: int, base_anchor_weight: float) -> int:
+    """The passes whose gradient XPress's loss holds per chunk: the teacher-forced one, each
+    consistency round (with a weight), the base anchor (with a weight), as
+    objective/xpress_rows.py `XPressRowOptions.pass_weights` lists them."""
+    rounds = consistency_passes if consistency_weight > 0 and consistency_passes > 0 else 0
+    return 1 + rounds + (1 if base_anchor_weight > 0 else 0)
+
+
 def loss_rows(t: TrainingShape) -> tuple[int, str]:
     """(the rows the loss reads a hidden state of, their formula): DFlash's scored block indices
     1..Bs-1; every block row for DSpark (it drafts Bs tokens) and XPress (the refiner's input)."""
@@ -67,9 +74,9 @@ def vocabulary_work(t: TrainingShape, c: Constants) -> tuple[str, float, str]:
         chunk = vocabulary_chunk_blocks(v, t.block_size) * t.block_size
         return (
             "XPress vocabulary chunk",
-            min(chunk, rows) * v * c.xpress_chunk_bytes,
-            f"min({chunk}, {rows_formula}) x V x {c.xpress_chunk_bytes:g} B "
-            "(raw logits, z_0 and one pass's z, its bias, the sum of the gradients)",
+            min(chunk, rows) * v * (c.xpress_chunk_bytes + t.xpress_passes * c.xpress_pass_bytes),
+            f"min({chunk}, {rows_formula}) x V x ({c.xpress_chunk_bytes:g} B + {t.xpress_passes} passes "
+            f"x {c.xpress_pass_bytes:g} B) (raw logits, fp32 z_0 and one pass's z; each pass's dz)",
         )
     chunk = min(c.lm_head_chunk_rows, rows) * v * c.lm_head_bytes_per_logit
     return (
