@@ -14,6 +14,7 @@ from dflash_mp.models.xpress import XPressRefiner
 from dflash_mp.objective import xpress_loss
 from dflash_mp.objective.draft_blocks import DraftBlocks
 from dflash_mp.objective.xpress_loss import XPressWeights, xpress_drafter_loss
+from tests.test_dspark_rows import _Outputs
 
 VOCAB, HIDDEN, BLOCK, BATCH, ANCHORS, RANK, CHUNK = 301, 12, 4, 2, 5, 6, 3  # 10 blocks: chunks 3+3+3+1
 
@@ -179,3 +180,32 @@ def test_a_kernel_that_raises_turns_the_fused_path_off_with_a_warning(monkeypatc
     torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
     for name, grad in expected[2].items():  # the sums the failed chunk had begun were zeroed
         torch.testing.assert_close(got[2][name], grad, rtol=0, atol=0)
+
+
+def test_under_autocast_the_loss_runs_in_bf16_without_an_fp32_head() -> None:
+    """Training's setting: bf16 autocast, fp32 hidden states, the frozen head in bf16. The head is
+    never copied to fp32, and the loss and gradients are autograd's through `xpress_terms` within
+    bf16's rounding."""
+    results = []
+    for reference in (False, True):
+        drafter = Drafter()
+        head, hidden, blocks = _inputs()
+        head = head.bfloat16()
+        hidden.requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16), _Outputs() as outputs:
+            if reference:
+                loss, _ = _reference_loss(drafter, hidden, head, blocks, XPressWeights(), CHUNK)
+            else:
+                loss, _ = xpress_drafter_loss(
+                    drafter, hidden, head, blocks, XPressWeights(), chunk_blocks=CHUNK
+                )
+        if not reference:
+            assert ((VOCAB, HIDDEN), torch.float32) not in outputs.seen
+        loss.backward()
+        results.append((loss.detach(), hidden.grad, drafter.refiner_head.readout.weight.grad))
+    (loss, hidden_grad, readout_grad), (ref_loss, ref_hidden, ref_readout) = results
+    assert torch.isfinite(loss) and loss > 0
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=0)
+    for got, expected in ((hidden_grad, ref_hidden), (readout_grad, ref_readout)):
+        error = (got - expected).norm() / expected.norm()
+        assert error < 3e-2, error

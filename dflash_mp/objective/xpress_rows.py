@@ -9,18 +9,19 @@ previous pass's argmax, then the base anchor (z_0 alone). Each pass's CE with it
     dLoss/dz = c (softmax(z) - onehot(label)),
 
 which goes three ways: into the readout's gradient (dz.T @ latent) and the latent's (dz @ readout),
-and, summed over the passes in fp32, through scale's derivative into the hidden states' (one head
-matmul per chunk). The latents' gradients run back through the refiner's rank-r layers
-(`XPressRefiner.latent`, autograd inside the forward, per chunk) to its parameters and to the
-hidden cache, whose own backward (down_h, down_g) autograd takes outside. The [rows, V] tensors are
-neither kept nor recomputed: against `xpress_terms` under checkpointing, one head matmul per chunk
-instead of four, no fp32 log-softmax saved per pass, no second forward.
+one matmul each over all of a chunk's passes, and, summed over the passes in fp32, through scale's
+derivative into the hidden states' (one head matmul per chunk). The latents' gradients run back
+through the refiner's rank-r layers (`XPressRefiner.latent`, autograd inside the forward, once for
+all chunks) to its parameters and to the hidden cache, whose own backward (down_h, down_g)
+autograd takes outside. The [rows, V] tensors are neither kept nor recomputed: against
+`xpress_terms` under checkpointing, one head matmul per chunk instead of four, no fp32
+log-softmax saved per pass, no second forward.
 
 Vocabulary work: on CUDA with Triton, fused_dspark.py's passes in their CE-only form over the
 matmuls' bf16 outputs (statistics with the argmax, then dz written over the pass's bias); elsewhere,
-or once a kernel raised, torch ops on fp32 copies. Memory per chunk: the head's raw logits, one
-bias buffer (both in the matmul dtype) and the fp32 sum of the passes' dz; the torch path adds the
-fp32 z_0 and one pass's fp32 z.
+or once a kernel raised, torch ops on fp32 copies. Memory per chunk: the head's raw logits and each
+pass's bias, then its dz, in the matmul dtype ([passes, rows, V]); the torch path adds the fp32
+z_0 and one pass's fp32 z (plan/memory.py's `xpress_chunk_bytes`, `xpress_pass_bytes`).
 """
 
 from __future__ import annotations
