@@ -12,9 +12,13 @@ the reference's reduction (the DFlash loss divides by sum(decay) instead); `base
 drops the decay from the anchor term. With train.position_weights=dpace every decayed term takes
 D-PACE weights from its own CE instead of the decay, as the reference's terms do.
 
-Unlike the reference, the logits are not materialised for the whole micro-batch: every pass's
-[blocks * Bs, V] (about 5 GB fp32 per pass at Qwen3-8B's 8192 block rows) would not fit beside a
-target. The head's logits, the passes and their CEs run a chunk of whole blocks at a time
+Training runs `xpress_drafter_loss`, whose gradient objective/xpress_rows.py takes during the
+forward; `xpress_terms` is the same loss through autograd, the reference it is tested against
+(tests/test_xpress_chunks.py) and that the parity tests hold equal to speculators' XPress.
+
+Unlike the reference, `xpress_terms` does not materialise the logits for the whole micro-batch:
+every pass's [blocks * Bs, V] (about 5 GB fp32 per pass at Qwen3-8B's 8192 block rows) would not
+fit beside a target. The head's logits, the passes and their CEs run a chunk of whole blocks at a time
 (`vocabulary_chunk_blocks`), each chunk recomputed in the backward (activation checkpointing), so at
 most one chunk's [rows, V] tensors are alive. A block's passes, argmaxes and D-PACE weights read
 only that block, so each chunk returns its weighted CE per position and each term is summed over
