@@ -40,7 +40,7 @@ from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.models.xpress import XPressRefiner, jacobi_passes, teacher_forced
 from dflash_mp.objective.draft_blocks import DraftBlocks
 from dflash_mp.objective.position_weights import dpace_weights
-from dflash_mp.objective.xpress_rows import DENOMINATOR_EPS, XPressRowOptions, xpress_row_loss
+from dflash_mp.objective.xpress_rows import DENOMINATOR_EPS, XPressRowOptions, combine_passes, xpress_row_loss
 
 # The metrics each micro-batch reports, summed over a step (`xpress_metrics` averages them).
 XPRESS_TERMS = ("tf_loss", "consistency_loss", "base_anchor_loss")
@@ -141,26 +141,9 @@ def xpress_terms(
     # micro-batch's scored count, the reference's reduction.
     sums = torch.stack([term.sum() for term in torch.cat(rows_ce, dim=1)])
     values = sums / (mask.float().sum() + DENOMINATOR_EPS)
-    loss, terms = values[0], {"tf_loss": values[0].detach()}
     rounds = consistency_rounds(weights)
-    if rounds:
-        consistency = values[1 : 1 + rounds].mean()
-        loss = loss + weights.consistency_weight * consistency
-        terms["consistency_loss"] = consistency.detach()
-    if weights.base_anchor_weight > 0:
-        loss = loss + weights.base_anchor_weight * values[-1]
-        terms["base_anchor_loss"] = values[-1].detach()
+    loss, terms = combine_passes(values, rounds, weights.consistency_weight, weights.base_anchor_weight)
     return loss, terms, torch.cat(correct)
-
-
-def _named_terms(values: Tensor, options: XPressRowOptions) -> dict[str, Tensor]:
-    """The metrics of the passes' values [P] (detached), as `xpress_terms` names them."""
-    terms = {"tf_loss": values[0].detach()}
-    if options.rounds:
-        terms["consistency_loss"] = values[1 : 1 + options.rounds].mean().detach()
-    if options.base_anchor_weight > 0:
-        terms["base_anchor_loss"] = values[-1].detach()
-    return terms
 
 
 def xpress_drafter_loss(
@@ -193,7 +176,7 @@ def xpress_drafter_loss(
     )
     targets = (labels.reshape(flat), before_anchor.reshape(-1), mask.reshape(flat), decay.reshape(flat))
     loss, values, correct = xpress_row_loss(drafter.refiner_head, hidden, head_weight, targets, options)
-    terms = _named_terms(values, options)
+    _, terms = combine_passes(values, options.rounds, xpress.consistency_weight, xpress.base_anchor_weight)
     with torch.no_grad():
         packed = torch.stack([terms.get(name, torch.zeros((), device=loss.device)) for name in XPRESS_TERMS])
     stats = {

@@ -298,7 +298,7 @@ class _XPressRowLoss(torch.autograd.Function):
             grads.take_latent_gradients(list(latent_params))
         # Each pass's sum over the micro-batch at once (as `xpress_terms`), over the scored count.
         values = torch.stack([term.sum() for term in torch.cat(weighted, dim=1)]) / denominator
-        loss = _loss_of(values, opts)
+        loss, _ = combine_passes(values, opts.rounds, opts.consistency_weight, opts.base_anchor_weight)
         saved = [] if grads is None else [grads.hidden, grads.cache, grads.readout, *grads.latent]
         ctx.save_for_backward(*saved)
         correct = torch.cat(correct)
@@ -318,14 +318,20 @@ class _XPressRowLoss(torch.autograd.Function):
         )  # fmt: skip
 
 
-def _loss_of(values: Tensor, opts: XPressRowOptions) -> Tensor:
-    """The loss of the passes' values [P], as `xpress_terms` adds them."""
-    loss = values[0]
-    if opts.rounds:
-        loss = loss + opts.consistency_weight * values[1 : 1 + opts.rounds].mean()
-    if opts.base_anchor_weight > 0:
-        loss = loss + opts.base_anchor_weight * values[-1]
-    return loss
+def combine_passes(
+    values: Tensor, rounds: int, consistency_weight: float, base_anchor_weight: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """(loss, the metrics {name: detached value}) of the passes' values [P]: the teacher-forced
+    pass, the mean of the `rounds` Jacobi rounds times their weight, the base anchor times its."""
+    loss, terms = values[0], {"tf_loss": values[0].detach()}
+    if rounds:
+        consistency = values[1 : 1 + rounds].mean()
+        loss = loss + consistency_weight * consistency
+        terms["consistency_loss"] = consistency.detach()
+    if base_anchor_weight > 0:
+        loss = loss + base_anchor_weight * values[-1]
+        terms["base_anchor_loss"] = values[-1].detach()
+    return loss, terms
 
 
 def xpress_row_loss(
