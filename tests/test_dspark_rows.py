@@ -266,7 +266,7 @@ class _Outputs(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
+        for tensor in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(tensor, torch.Tensor):
                 self.seen.add((tuple(tensor.shape), tensor.dtype))
         return out

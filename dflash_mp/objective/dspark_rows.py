@@ -62,7 +62,7 @@ from dflash_mp.kernels.fused_dspark import (
     fused_dspark_runs_on,
 )
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
-from dflash_mp.objective.autocast_operands import in_autocast_dtype
+from dflash_mp.objective.autocast_operands import add_product_, in_autocast_dtype
 from dflash_mp.objective.position_weights import dpace_weights
 
 _log = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ def _fused_chunk(
     if dz is not None and grads.markov is not None:
         grads.markov[part] = dz @ w2.to(dz.dtype)
     if dz is not None and grads.w2 is not None:
-        grads.w2 += (dz.T @ markov.to(dz.dtype)).float()
+        add_product_(grads.w2, dz.T, markov.to(dz.dtype))
     if hidden_dz is not None:
         grads.hidden[part] = hidden_dz @ head.to(hidden_dz.dtype)
     return terms, correct, sums
@@ -310,7 +310,7 @@ def _torch_chunk(
         if grads.markov is not None:
             grads.markov[part] = low @ w2.to(bias_dtype)
         if grads.w2 is not None:
-            grads.w2 += (low.T @ markov.to(bias_dtype)).float()
+            add_product_(grads.w2, low.T, markov.to(bias_dtype))
         del low
     if grads.hidden is not None:
         if slope is not None:

@@ -33,16 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_mp.kernels.fused_dspark import (
-    ChunkLogits,
-    dspark_grad_in_place,
-    dspark_terms,
-    fused_dspark_runs_on,
-)
+from dflash_mp.kernels.fused_dspark import ChunkLogits, dspark_terms, fused_dspark_runs_on
+from dflash_mp.kernels.fused_xpress import xpress_gradients_in_place
 from dflash_mp.models.drafter import scale_logits
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.models.xpress import XPressRefiner, previous_tokens
-from dflash_mp.objective.autocast_operands import in_autocast_dtype
+from dflash_mp.objective.autocast_operands import add_product_, in_autocast_dtype
 from dflash_mp.objective.position_weights import dpace_weights
 
 _log = logging.getLogger(__name__)
@@ -90,7 +86,12 @@ class _TorchVocabulary:
 
     def __init__(self, raw: Tensor, labels: Tensor, opts: XPressRowOptions) -> None:
         self.base = scale_logits(raw.float(), opts.multiplier, opts.softcap)  # z_0, read by every pass
-        self.labels = labels[:, None]
+        self.raw, self.labels, self.opts = raw, labels[:, None], opts
+
+    @staticmethod
+    def slots(passes: int, biased: int) -> int:
+        """The [slots, n, V] buffer's passes: every pass's dz, summed for the raw logits' gradient."""
+        return passes
 
     def statistics(self, bias: Tensor | None) -> tuple[Tensor, Tensor, tuple]:
         """(CE [n], argmax [n], what `gradient` reads) of z_0 + bias."""
@@ -98,11 +99,21 @@ class _TorchVocabulary:
         lse = torch.logsumexp(z, dim=-1, keepdim=True)
         return (lse - z.gather(-1, self.labels))[:, 0], z.argmax(-1), (z, lse)
 
-    def gradient(self, bias: Tensor | None, state: tuple, c: Tensor, into: Tensor) -> None:
-        """dLoss/dz for row weights c [n] into `into` (the pass's z, not z_0's, ends as scratch)."""
-        z, lse = state
-        z = z.clone() if bias is None else z
+    def pass_gradient(self, index: int, state: tuple, c: Tensor, dz: Tensor) -> None:
+        """dLoss/dz of biased pass `index` for row weights c [n] over its bias in dz (the pass's z
+        ends as scratch)."""
+        self._gradient(state[0], state[1], c, dz[index])
+
+    def base_gradient(self, state: tuple, c: Tensor, dz: Tensor) -> None:
+        """dLoss/dz of the base anchor (z_0 alone) into dz's last slot."""
+        self._gradient(state[0].clone(), state[1], c, dz[-1])
+
+    def _gradient(self, z: Tensor, lse: Tensor, c: Tensor, into: Tensor) -> None:
         into.copy_(z.sub_(lse).exp_().mul_(c[:, None]).scatter_add_(-1, self.labels, -c[:, None]))
+
+    def raw_gradient(self, dz: Tensor) -> Tensor:
+        """The raw logits' gradient in their dtype from every pass's dz [P, n, V]."""
+        return _raw_gradient(dz, self.raw, self.opts)
 
 
 class _FusedVocabulary:
@@ -110,22 +121,35 @@ class _FusedVocabulary:
 
     def __init__(self, raw: Tensor, labels: Tensor, opts: XPressRowOptions) -> None:
         self.raw, self.labels, self.opts = raw, labels, opts
+        self.log_normalisers: list[Tensor] = []  # each pass's, in the order the kernel reads
+        self.weights: list[Tensor] = []
 
-    def _logits(self, bias: Tensor | None) -> ChunkLogits:
-        return ChunkLogits(self.raw, bias, None, self.labels, self.opts.multiplier, self.opts.softcap)
+    @staticmethod
+    def slots(passes: int, biased: int) -> int:
+        """The biased passes alone: the base anchor's dz is only summed, inside the kernel."""
+        return biased
 
     def statistics(self, bias: Tensor | None) -> tuple[Tensor, Tensor, object]:
-        terms, _, stats = dspark_terms(self._logits(bias))
+        logits = ChunkLogits(self.raw, bias, None, self.labels, self.opts.multiplier, self.opts.softcap)
+        terms, _, stats = dspark_terms(logits)
         return terms[:, 0], stats.argmax, stats
 
-    def gradient(self, bias: Tensor | None, state, c: Tensor, into: Tensor) -> None:
-        """dz written over `into`: the pass's bias itself, or (z_0's pass) zeros, so that z is z_0
-        to the bit."""
-        if bias is None:
-            into.zero_()
-        weights = torch.zeros(c.shape[0], 3, dtype=torch.float32, device=c.device)
-        weights[:, 0] = c
-        dspark_grad_in_place(self._logits(into), state, weights, draft_grad=False)
+    def pass_gradient(self, index: int, state, c: Tensor, dz: Tensor) -> None:
+        """Kept for `raw_gradient`, which writes every biased pass's dz over its bias at once."""
+        assert index == len(self.weights)
+        self.log_normalisers.append(state.draft_lse)
+        self.weights.append(c)
+
+    def base_gradient(self, state, c: Tensor, dz: Tensor) -> None:
+        self.pass_gradient(dz.shape[0], state, c, dz)
+
+    def raw_gradient(self, dz: Tensor) -> Tensor:
+        """fused_xpress.py's one pass: each dz over its bias, their sum's gradient over raw."""
+        lse, weights = torch.stack(self.log_normalisers), torch.stack(self.weights)
+        opts = self.opts
+        return xpress_gradients_in_place(
+            self.raw, dz, self.labels, lse, weights, opts.multiplier, opts.softcap
+        )
 
 
 def _fused_on(device: torch.device) -> bool:
@@ -166,10 +190,13 @@ class _Grads:
             total += grad.float()
 
 
-def _chunk(refiner, head, raw, cache, targets, readout, scales, opts, grads, rows) -> tuple[Tensor, Tensor]:
+def _chunk(
+    refiner, head, hidden, cache, targets, readout, scales, opts, grads, rows
+) -> tuple[Tensor, Tensor]:
     """One chunk's passes: (mask x weight x CE [P, n, Bs] per pass, teacher-forced argmax == label
     and scored [n, Bs]); their gradients into `grads` (`rows`: the chunk's rows of the hidden)."""
     blocks, block_size = targets.labels.shape
+    raw = F.linear(hidden, head)  # the fused gradient pass writes over it: made here, per try
     kind = _FusedVocabulary if _fused_on(raw.device) else _TorchVocabulary
     vocab = kind(raw, targets.labels.flatten(), opts)
     base_ce, guess, base_state = vocab.statistics(None)
@@ -178,7 +205,7 @@ def _chunk(refiner, head, raw, cache, targets, readout, scales, opts, grads, row
     # Each pass's bias, then its dz over it: one sum of the dz and one readout matmul per chunk.
     dz = None
     if grads is not None:
-        dz = torch.empty(len(passes), *raw.shape, dtype=readout.dtype, device=raw.device)
+        dz = torch.empty(kind.slots(len(passes), biased), *raw.shape, dtype=readout.dtype, device=raw.device)
     cache_leaf = cache.view(blocks, block_size, -1).detach().requires_grad_(grads is not None)
     weighted, latents, flats = [], [], []
     prev = previous_tokens(targets.labels, targets.before_anchor)  # the teacher-forced pass's
@@ -200,7 +227,7 @@ def _chunk(refiner, head, raw, cache, targets, readout, scales, opts, grads, row
         weights = _row_weights(ce.view(blocks, block_size), targets, passes[index][1], opts.dpace_alpha)
         weighted.append(ce.view(blocks, block_size) * weights)
         if dz is not None:
-            vocab.gradient(bias, state, (weights * scales[index]).flatten(), dz[index])
+            vocab.pass_gradient(index, state, (weights * scales[index]).flatten(), dz)
             latents.append(latent)
             flats.append(flat)
         del bias, state
@@ -208,13 +235,14 @@ def _chunk(refiner, head, raw, cache, targets, readout, scales, opts, grads, row
         weights = _row_weights(base_ce.view(blocks, block_size), targets, passes[-1][1], opts.dpace_alpha)
         weighted.append(base_ce.view(blocks, block_size) * weights)
         if dz is not None:
-            vocab.gradient(None, base_state, (weights * scales[-1]).flatten(), dz[-1])
+            vocab.base_gradient(base_state, (weights * scales[-1]).flatten(), dz)
     if dz is not None:
-        del vocab, base_state
-        grads.hidden[rows] = _raw_gradient(dz, raw, opts) @ head
+        del base_state
+        grads.hidden[rows] = vocab.raw_gradient(dz) @ head
+        del vocab, raw
         with_bias = dz[:biased].flatten(0, 1)
         flat = torch.cat(flats)
-        grads.readout += (with_bias.T @ flat).float()
+        add_product_(grads.readout, with_bias.T, flat)
         latent_grads = (with_bias @ readout).split(flat.shape[0] // biased)
         for latent, grad in zip(latents, latent_grads, strict=True):
             grads.pending.append((latent, grad.view_as(latent).to(latent.dtype), cache_leaf, rows))
@@ -282,16 +310,25 @@ class _XPressRowLoss(torch.autograd.Function):
         for start in range(0, blocks, chunk):
             part = slice(start, start + chunk)
             rows = slice(start * block_size, (start + chunk) * block_size)
-            raw = F.linear(hidden_in[rows], head)
             chunk_targets = _Targets(
                 *(t[part] for t in (targets.labels, targets.before_anchor, targets.mask, targets.decay))
             )
-            args = (refiner, head, raw, cache[rows], chunk_targets, readout, scales, opts, grads, rows)
-            if _fused_on(raw.device) and not _fused_tried:
+            args = (
+                refiner,
+                head,
+                hidden_in[rows],
+                cache[rows],
+                chunk_targets,
+                readout,
+                scales,
+                opts,
+                grads,
+                rows,
+            )
+            if _fused_on(hidden.device) and not _fused_tried:
                 chunk_weighted, chunk_correct = _first_chunk_guarded(args, grads)
             else:
                 chunk_weighted, chunk_correct = _chunk(*args)
-            del raw
             weighted.append(chunk_weighted)
             correct.append(chunk_correct)
         if grads is not None:
