@@ -81,7 +81,9 @@ def _fused_path(x: ChunkLogits, opts: RowLossOptions, weights: torch.Tensor, sca
         assert given is None or torch.equal(given, kept)  # passes 1 and 2 only read
     c = term_row_weights(terms, weights, opts.dpace_alpha, opts.block_size) * scale
     hidden_dz, markov_dz = fused_dspark.dspark_grad_in_place(x, stats, c, tile=TILE)
-    assert hidden_dz is x.draft and markov_dz is x.bias  # written over them
+    # Written over them; once, over the draft's, where scale's derivative is 1 and they are equal.
+    unscaled = x.multiplier == 1.0 and x.softcap is None and x.bias is not None
+    assert hidden_dz is x.draft and markov_dz is (x.draft if unscaled else x.bias)
     return terms, correct, hidden_dz, markov_dz
 
 

@@ -24,9 +24,10 @@ copy of a [m, V] tensor exists, and the gradients overwrite buffers the caller g
 are exponentials of z - lse(z) and t - lse(t) alike, so equal rows give equal q and p (ties) bit for
 bit. Without a teacher only pass 1 (z alone) and the CE's gradient run. Bytes moved per chunk, in
 units of one [m, V] tensor of the matmuls' dtype: passes 1 and 2 read z and t (and the bias), pass
-3 reads them and writes one (two): 7 without the Markov head, 11 with it; 3 and 6 without a
-teacher. At Qwen3-8B's shape (8192 rows a step, V = 151936, bf16: 2.5 GB a unit) 27 GB a step with
-the Markov head, ~9 ms at 3 TB/s, against ~29 eager fp32 passes in the torch path (not yet measured).
+3 reads them and writes one (two where scale's derivative is not 1: the gradients of the draft's
+logits and of the bias then differ): 7 without the Markov head, 10 with it; 3 and 5 without a
+teacher. At Qwen3-8B's shape (8192 rows a step, V = 151936, bf16: 2.5 GB a unit) 25 GB a step with
+the Markov head, ~8.5 ms at 3 TB/s, against ~29 eager fp32 passes in the torch path (not yet measured).
 
 Column segments split a row over several programs in passes 1 and 2: a chunk has few rows (432 at
 Qwen3's vocabulary), too few programs to fill the GPU one row each. Untuned: the tile and segment
@@ -145,8 +146,14 @@ def dspark_grad_in_place(
 ) -> tuple[Tensor | None, Tensor | None]:
     """Pass 3 for the row weights c [m, 3] (ce, kl, tv): (dz times scale's derivative written over
     `x.draft` if `draft_grad`, dz written over `x.bias` if `bias_grad` and there is a bias, else
-    None); the caller gives those buffers up."""
+    None); the caller gives those buffers up. Where scale's derivative is 1 (no multiplier, no
+    soft-cap) and both are wanted in one dtype they are equal: written once, over `x.draft`,
+    returned twice."""
     bias_grad = bias_grad and x.bias is not None
+    unscaled = x.multiplier == 1.0 and not (x.softcap is not None and x.softcap > 0)
+    if draft_grad and bias_grad and unscaled and x.draft.dtype == x.bias.dtype:
+        draft, _ = dspark_grad_in_place(x, stats, weights, True, False, tile)
+        return draft, draft
     rows, vocab = x.draft.shape
     if rows and (draft_grad or bias_grad):
         args, flags = _shared(x, tile)
