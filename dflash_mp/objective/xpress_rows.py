@@ -17,11 +17,13 @@ autograd takes outside. The [rows, V] tensors are neither kept nor recomputed: a
 `xpress_terms` under checkpointing, one head matmul per chunk instead of four, no fp32
 log-softmax saved per pass, no second forward.
 
-Vocabulary work: on CUDA with Triton, fused_dspark.py's passes in their CE-only form over the
-matmuls' bf16 outputs (statistics with the argmax, then dz written over the pass's bias); elsewhere,
-or once a kernel raised, torch ops on fp32 copies. Memory per chunk: the head's raw logits and each
-pass's bias, then its dz, in the matmul dtype ([passes, rows, V]); the torch path adds the fp32
-z_0 and one pass's fp32 z (plan/memory.py's `xpress_chunk_bytes`, `xpress_pass_bytes`).
+Vocabulary work: on CUDA with Triton, each pass's statistics (with the argmax) in fused_dspark.py's
+CE-only pass over the matmuls' bf16 outputs, then one fused_xpress.py pass for all of a chunk's
+passes, which writes each biased pass's dz over its bias and the raw logits' gradient over them;
+elsewhere, or once a kernel raised, torch ops on fp32 copies. Memory per chunk: the head's raw
+logits and each pass's bias, then its dz, in the matmul dtype ([passes, rows, V]; the fused path
+keeps no slot for the base anchor, whose dz it only sums); the torch path adds the fp32 z_0 and one
+pass's fp32 z (plan/memory.py's `xpress_chunk_bytes`, `xpress_pass_bytes`).
 """
 
 from __future__ import annotations

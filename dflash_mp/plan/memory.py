@@ -73,7 +73,8 @@ class Constants:
     # blocks (objective/xpress_rows.py, the gradient taken in the forward): each pass's bias, then its
     # dz, in the matmul dtype (bf16: 2 B a pass); on the torch path beside them the raw logits (bf16),
     # fp32 z_0, one pass's fp32 z, logsumexp's fp32 temporary and the bias's fp32 copy (18 B); the
-    # fused path holds 4 of those 18. tests/test_plan_memory_heads.py measures the CPU's fp32 peak.
+    # fused path holds 4 of those 18, and no pass slot for the base anchor.
+    # tests/test_plan_memory_heads.py measures the CPU's fp32 peak.
     dspark_chunk_copies: float = 3.0
     xpress_chunk_bytes: float = 18.0
     xpress_pass_bytes: float = 2.0
