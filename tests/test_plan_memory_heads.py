@@ -121,10 +121,10 @@ def test_the_xpress_chunk_is_the_one_the_loss_takes(monkeypatch) -> None:
     vocab, block, hidden = shape.target.vocab, shape.block_size, 4
     seen = []
 
-    def record(refiner, head, raw, *args):
-        seen.append(raw.shape[0] // block)
-        return torch.zeros(3, raw.shape[0] // block, block), torch.zeros(
-            raw.shape[0] // block, block, dtype=torch.bool
+    def record(kind, refiner, head, hidden, *args):
+        seen.append(hidden.shape[0] // block)
+        return torch.zeros(3, hidden.shape[0] // block, block), torch.zeros(
+            hidden.shape[0] // block, block, dtype=torch.bool
         )
 
     monkeypatch.setattr(xpress_rows, "_chunk", record)

@@ -63,14 +63,12 @@ from dflash_mp.kernels.fused_dspark import (
 )
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.objective.autocast_operands import add_product_, in_autocast_dtype
+from dflash_mp.objective.fused_check import disagreement
 from dflash_mp.objective.position_weights import dpace_weights
 
 _log = logging.getLogger(__name__)
 _fused_error: str | None = None  # the fused kernels' first error: the torch path from then on
 _fused_checked = False  # whether the process's first fused chunk was compared with the torch path
-# How far the first fused chunk may stand from the torch path's: the gradient is rounded to bf16
-# at another point (the kernels write it in the logits' dtype); a wrong kernel is off by far more.
-_FUSED_AGREES = 1e-2
 
 
 @dataclass(frozen=True)
@@ -221,18 +219,11 @@ def _checked_fused_chunk(
                 pairs.append((mine[part], theirs[part]))
         if grads.w2 is not None:
             pairs.append((scratch.w2, grads.w2))
-    error = max(_relative_error(a, b) for a, b in pairs)
-    if error > _FUSED_AGREES:
-        _fused_error = f"its first chunk differs from the torch path's by {error:.2g} (relative)"
+    problem = disagreement(pairs)
+    if problem is not None:
+        _fused_error = problem
         _log.warning("DSpark's fused loss kernels are off, the torch path from now on: %s", _fused_error)
     return result
-
-
-def _relative_error(actual: Tensor, expected: Tensor) -> float:
-    expected = expected.float()
-    return float(
-        (actual.float() - expected).norm() / expected.norm().clamp_min(torch.finfo(torch.float32).tiny)
-    )
 
 
 def _guarded(call, *args):

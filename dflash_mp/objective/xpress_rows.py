@@ -20,10 +20,11 @@ log-softmax saved per pass, no second forward.
 Vocabulary work: on CUDA with Triton, each pass's statistics (with the argmax) in fused_dspark.py's
 CE-only pass over the matmuls' bf16 outputs, then one fused_xpress.py pass for all of a chunk's
 passes, which writes each biased pass's dz over its bias and the raw logits' gradient over them;
-elsewhere, or once a kernel raised, torch ops on fp32 copies. Memory per chunk: the head's raw
-logits and each pass's bias, then its dz, in the matmul dtype ([passes, rows, V]; the fused path
-keeps no slot for the base anchor, whose dz it only sums); the torch path adds the fp32 z_0 and one
-pass's fp32 z (plan/memory.py's `xpress_chunk_bytes`, `xpress_pass_bytes`).
+elsewhere, or once the process's first fused chunk failed its check (fused_check.py), torch ops on
+fp32 copies. Memory per chunk: the head's raw logits and each pass's bias, then its dz, in the
+matmul dtype ([passes, rows, V]; the fused path keeps no slot for the base anchor, whose dz it only
+sums); the torch path adds the fp32 z_0 and one pass's fp32 z (plan/memory.py's
+`xpress_chunk_bytes`, `xpress_pass_bytes`).
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ from dflash_mp.models.drafter import scale_logits
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.models.xpress import XPressRefiner, previous_tokens
 from dflash_mp.objective.autocast_operands import add_product_, in_autocast_dtype
+from dflash_mp.objective.fused_check import disagreement
 from dflash_mp.objective.position_weights import dpace_weights
 
 _log = logging.getLogger(__name__)
 _fused_error: str | None = None  # the kernels' first error: the torch path from then on
-_fused_tried = False  # whether a fused chunk ran in this process
+_fused_tried = False  # whether the process's first fused chunk was checked
 DENOMINATOR_EPS = 1e-8  # the reference's `_hard_label_ce`
 
 
@@ -193,13 +195,13 @@ class _Grads:
 
 
 def _chunk(
-    refiner, head, hidden, cache, targets, readout, scales, opts, grads, rows
+    kind, refiner, head, hidden, cache, targets, readout, scales, opts, grads, rows
 ) -> tuple[Tensor, Tensor]:
-    """One chunk's passes: (mask x weight x CE [P, n, Bs] per pass, teacher-forced argmax == label
-    and scored [n, Bs]); their gradients into `grads` (`rows`: the chunk's rows of the hidden)."""
+    """One chunk's passes through `kind`'s vocabulary work: (mask x weight x CE [P, n, Bs] per
+    pass, teacher-forced argmax == label and scored [n, Bs]); their gradients into `grads` (`rows`:
+    the chunk's rows of the hidden)."""
     blocks, block_size = targets.labels.shape
     raw = F.linear(hidden, head)  # the fused gradient pass writes over it: made here, per try
-    kind = _FusedVocabulary if _fused_on(raw.device) else _TorchVocabulary
     vocab = kind(raw, targets.labels.flatten(), opts)
     base_ce, guess, base_state = vocab.statistics(None)
     passes = opts.pass_weights()
@@ -266,23 +268,35 @@ def _raw_gradient(dz: Tensor, raw: Tensor, opts: XPressRowOptions) -> Tensor:
     return total.to(raw.dtype)
 
 
-def _first_chunk_guarded(args: tuple, grads: _Grads | None) -> tuple[Tensor, Tensor]:
-    """The process's first fused chunk (the kernels compile there): if a kernel raises, a warning
-    names the error and the chunk runs again on the torch path, as every later one will. It is
-    the first chunk of its micro-batch, so the sums it had begun are zeroed first."""
+def _first_fused_chunk_checked(args: tuple, grads: _Grads | None) -> tuple[Tensor, Tensor]:
+    """The process's first fused chunk beside the torch path's, whose numbers the chunk keeps
+    (fused_check.py): if a kernel raises (they compile here) or the two disagree, a warning says so
+    and the torch path takes every later chunk. The fused try writes into scratch sums."""
     global _fused_error, _fused_tried
     _fused_tried = True
+    *inputs, rows = args
+    scratch = None
+    if grads is not None:
+        zeros = torch.zeros_like
+        scratch = _Grads(zeros(grads.hidden), grads.cache, zeros(grads.readout), grads.latent)
     try:
-        return _chunk(*args)
+        fused = _chunk(_FusedVocabulary, *inputs[:-1], scratch, rows)
     except torch.OutOfMemoryError:
         raise
     except Exception as error:  # the torch path gives the same numbers, slower
-        _fused_error = f"{type(error).__name__}: {error}"
-        _log.warning("XPress's fused loss kernels failed, the torch path from now on (%s)", _fused_error)
-        if grads is not None:  # the first chunk: nothing but its own shares yet
-            grads.readout.zero_()
-            grads.pending.clear()
-        return _chunk(*args)
+        fused, problem = None, f"{type(error).__name__}: {error}"
+    result = _chunk(_TorchVocabulary, *args)
+    if fused is not None:
+        pairs = [(fused[0], result[0])]
+        if grads is not None:
+            pairs += [(scratch.hidden[rows], grads.hidden[rows]), (scratch.readout, grads.readout)]
+            mine, theirs = scratch.pending, grads.pending[-len(scratch.pending) :]
+            pairs += [(a[1], b[1]) for a, b in zip(mine, theirs, strict=True)]  # the latents' gradients
+        problem = disagreement(pairs)
+    if problem is not None:
+        _fused_error = problem
+        _log.warning("XPress's fused loss kernels are off, the torch path from now on: %s", problem)
+    return result
 
 
 class _XPressRowLoss(torch.autograd.Function):
@@ -315,22 +329,13 @@ class _XPressRowLoss(torch.autograd.Function):
             chunk_targets = _Targets(
                 *(t[part] for t in (targets.labels, targets.before_anchor, targets.mask, targets.decay))
             )
-            args = (
-                refiner,
-                head,
-                hidden_in[rows],
-                cache[rows],
-                chunk_targets,
-                readout,
-                scales,
-                opts,
-                grads,
-                rows,
-            )
-            if _fused_on(hidden.device) and not _fused_tried:
-                chunk_weighted, chunk_correct = _first_chunk_guarded(args, grads)
+            args = (refiner, head, hidden_in[rows], cache[rows], chunk_targets, readout, scales, opts)
+            if not _fused_on(hidden.device):
+                chunk_weighted, chunk_correct = _chunk(_TorchVocabulary, *args, grads, rows)
+            elif not _fused_tried:
+                chunk_weighted, chunk_correct = _first_fused_chunk_checked((*args, grads, rows), grads)
             else:
-                chunk_weighted, chunk_correct = _chunk(*args)
+                chunk_weighted, chunk_correct = _chunk(_FusedVocabulary, *args, grads, rows)
             weighted.append(chunk_weighted)
             correct.append(chunk_correct)
         if grads is not None:
