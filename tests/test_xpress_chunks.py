@@ -161,7 +161,7 @@ def test_the_first_fused_chunk_is_checked_against_the_torch_path(monkeypatch, ca
     """The process's first fused chunk runs beside the torch path, whose numbers it keeps. A fused
     path that raises or disagrees is turned off with one warning; one that agrees takes the later
     chunks. Its try wrote over its raw logits and into scratch sums: neither reaches the result."""
-    from dflash_mp.objective import xpress_rows
+    from dflash_mp.objective import xpress_rows, xpress_vocabulary
 
     expected = _run(XPressWeights(), chunk_blocks=CHUNK)
     monkeypatch.setattr(xpress_rows, "_fused_error", None)
@@ -169,7 +169,7 @@ def test_the_first_fused_chunk_is_checked_against_the_torch_path(monkeypatch, ca
     monkeypatch.setattr(xpress_rows, "fused_dspark_runs_on", lambda device: True)
     calls = []
 
-    class Fused(xpress_rows._TorchVocabulary):
+    class Fused(xpress_vocabulary.TorchVocabulary):
         """The torch path standing in for the kernels, writing over the raw logits as they do."""
 
         def raw_gradient(self, dz):
@@ -180,7 +180,7 @@ def test_the_first_fused_chunk_is_checked_against_the_torch_path(monkeypatch, ca
                 raise RuntimeError("no compiler")
             return grad * 1.1 if fault == "disagrees" else grad
 
-    monkeypatch.setattr(xpress_rows, "_FusedVocabulary", Fused)
+    monkeypatch.setattr(xpress_rows, "FusedVocabulary", Fused)
     with caplog.at_level("WARNING", logger=xpress_rows.__name__):
         got = _run(XPressWeights(), chunk_blocks=CHUNK)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

@@ -36,14 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_mp.kernels.fused_dspark import ChunkLogits, dspark_terms, fused_dspark_runs_on
-from dflash_mp.kernels.fused_xpress import xpress_gradients_in_place
-from dflash_mp.models.drafter import scale_logits
+from dflash_mp.kernels.fused_dspark import fused_dspark_runs_on
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.models.xpress import XPressRefiner, previous_tokens
 from dflash_mp.objective.autocast_operands import add_product_, in_autocast_dtype
 from dflash_mp.objective.fused_check import disagreement
 from dflash_mp.objective.position_weights import dpace_weights
+from dflash_mp.objective.xpress_vocabulary import FusedVocabulary, TorchVocabulary
 
 _log = logging.getLogger(__name__)
 _fused_error: str | None = None  # the kernels' first error: the torch path from then on
@@ -83,77 +82,6 @@ class _Targets:
     before_anchor: Tensor
     mask: Tensor
     decay: Tensor
-
-
-class _TorchVocabulary:
-    """The passes' vocabulary work in torch ops on fp32 [n, V] copies."""
-
-    def __init__(self, raw: Tensor, labels: Tensor, opts: XPressRowOptions) -> None:
-        self.base = scale_logits(raw.float(), opts.multiplier, opts.softcap)  # z_0, read by every pass
-        self.raw, self.labels, self.opts = raw, labels[:, None], opts
-
-    @staticmethod
-    def slots(passes: int, biased: int) -> int:
-        """The [slots, n, V] buffer's passes: every pass's dz, summed for the raw logits' gradient."""
-        return passes
-
-    def statistics(self, bias: Tensor | None) -> tuple[Tensor, Tensor, tuple]:
-        """(CE [n], argmax [n], what `gradient` reads) of z_0 + bias."""
-        z = self.base if bias is None else self.base + bias.float()
-        lse = torch.logsumexp(z, dim=-1, keepdim=True)
-        return (lse - z.gather(-1, self.labels))[:, 0], z.argmax(-1), (z, lse)
-
-    def pass_gradient(self, index: int, state: tuple, c: Tensor, dz: Tensor) -> None:
-        """dLoss/dz of biased pass `index` for row weights c [n] over its bias in dz (the pass's z
-        ends as scratch)."""
-        self._gradient(state[0], state[1], c, dz[index])
-
-    def base_gradient(self, state: tuple, c: Tensor, dz: Tensor) -> None:
-        """dLoss/dz of the base anchor (z_0 alone) into dz's last slot."""
-        self._gradient(state[0].clone(), state[1], c, dz[-1])
-
-    def _gradient(self, z: Tensor, lse: Tensor, c: Tensor, into: Tensor) -> None:
-        into.copy_(z.sub_(lse).exp_().mul_(c[:, None]).scatter_add_(-1, self.labels, -c[:, None]))
-
-    def raw_gradient(self, dz: Tensor) -> Tensor:
-        """The raw logits' gradient in their dtype from every pass's dz [P, n, V]."""
-        return _raw_gradient(dz, self.raw, self.opts)
-
-
-class _FusedVocabulary:
-    """The same through fused_dspark.py's CE-only passes on the matmuls' outputs (CUDA)."""
-
-    def __init__(self, raw: Tensor, labels: Tensor, opts: XPressRowOptions) -> None:
-        self.raw, self.labels, self.opts = raw, labels, opts
-        self.log_normalisers: list[Tensor] = []  # each pass's, in the order the kernel reads
-        self.weights: list[Tensor] = []
-
-    @staticmethod
-    def slots(passes: int, biased: int) -> int:
-        """The biased passes alone: the base anchor's dz is only summed, inside the kernel."""
-        return biased
-
-    def statistics(self, bias: Tensor | None) -> tuple[Tensor, Tensor, object]:
-        logits = ChunkLogits(self.raw, bias, None, self.labels, self.opts.multiplier, self.opts.softcap)
-        terms, _, stats = dspark_terms(logits)
-        return terms[:, 0], stats.argmax, stats
-
-    def pass_gradient(self, index: int, state, c: Tensor, dz: Tensor) -> None:
-        """Kept for `raw_gradient`, which writes every biased pass's dz over its bias at once."""
-        assert index == len(self.weights)
-        self.log_normalisers.append(state.draft_lse)
-        self.weights.append(c)
-
-    def base_gradient(self, state, c: Tensor, dz: Tensor) -> None:
-        self.pass_gradient(dz.shape[0], state, c, dz)
-
-    def raw_gradient(self, dz: Tensor) -> Tensor:
-        """fused_xpress.py's one pass: each dz over its bias, their sum's gradient over raw."""
-        lse, weights = torch.stack(self.log_normalisers), torch.stack(self.weights)
-        opts = self.opts
-        return xpress_gradients_in_place(
-            self.raw, dz, self.labels, lse, weights, opts.multiplier, opts.softcap
-        )
 
 
 def _fused_on(device: torch.device) -> bool:
@@ -253,21 +181,6 @@ def _chunk(
     return torch.stack(weighted), correct
 
 
-def _raw_gradient(dz: Tensor, raw: Tensor, opts: XPressRowOptions) -> Tensor:
-    """The raw logits' gradient in their dtype: the passes' dz [P, n, V] summed in fp32, times
-    scale_logits' derivative (the multiplier, soft-capping's 1 - tanh^2)."""
-    capped = opts.softcap is not None and opts.softcap > 0
-    if not capped and opts.multiplier == 1.0 and dz.dtype == raw.dtype:
-        return dz.sum(0)  # reduced in fp32 for bf16 too
-    total = dz.sum(0, dtype=torch.float32)
-    if capped:
-        tanh = torch.tanh(raw.float() * opts.multiplier / opts.softcap)
-        total.mul_(tanh.mul_(tanh).neg_().add_(1.0))
-    if opts.multiplier != 1.0:
-        total.mul_(opts.multiplier)
-    return total.to(raw.dtype)
-
-
 def _first_fused_chunk_checked(args: tuple, grads: _Grads | None) -> tuple[Tensor, Tensor]:
     """The process's first fused chunk beside the torch path's, whose numbers the chunk keeps
     (fused_check.py): if a kernel raises (they compile here) or the two disagree, a warning says so
@@ -280,12 +193,12 @@ def _first_fused_chunk_checked(args: tuple, grads: _Grads | None) -> tuple[Tenso
         zeros = torch.zeros_like
         scratch = _Grads(zeros(grads.hidden), grads.cache, zeros(grads.readout), grads.latent)
     try:
-        fused = _chunk(_FusedVocabulary, *inputs[:-1], scratch, rows)
+        fused = _chunk(FusedVocabulary, *inputs[:-1], scratch, rows)
     except torch.OutOfMemoryError:
         raise
     except Exception as error:  # the torch path gives the same numbers, slower
         fused, problem = None, f"{type(error).__name__}: {error}"
-    result = _chunk(_TorchVocabulary, *args)
+    result = _chunk(TorchVocabulary, *args)
     if fused is not None:
         pairs = [(fused[0], result[0])]
         if grads is not None:
@@ -331,11 +244,11 @@ class _XPressRowLoss(torch.autograd.Function):
             )
             args = (refiner, head, hidden_in[rows], cache[rows], chunk_targets, readout, scales, opts)
             if not _fused_on(hidden.device):
-                chunk_weighted, chunk_correct = _chunk(_TorchVocabulary, *args, grads, rows)
+                chunk_weighted, chunk_correct = _chunk(TorchVocabulary, *args, grads, rows)
             elif not _fused_tried:
                 chunk_weighted, chunk_correct = _first_fused_chunk_checked((*args, grads, rows), grads)
             else:
-                chunk_weighted, chunk_correct = _chunk(_FusedVocabulary, *args, grads, rows)
+                chunk_weighted, chunk_correct = _chunk(FusedVocabulary, *args, grads, rows)
             weighted.append(chunk_weighted)
             correct.append(chunk_correct)
         if grads is not None:
