@@ -3,9 +3,13 @@ summed in fp32 without a rounded copy (DSpark, XPress)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
 
+_log = logging.getLogger(__name__)
+_fp32_output_error: str | None = None  # this torch's refusal of an fp32 total: the portable path since
 _FP32_OUTPUT_INPUTS = (torch.bfloat16, torch.float16)  # what cuBLAS's fp32-output GEMM takes
 
 
@@ -24,13 +28,20 @@ def in_autocast_dtype(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
 def add_product_(total: Tensor, a: Tensor, b: Tensor) -> Tensor:
     """total += a @ b, total fp32 (a weight's gradient summed over chunks). On CUDA with bf16 or
     fp16 operands one GEMM adds its fp32 accumulators to total (`out_dtype`): no product rounded
-    to the operands' dtype, no temporaries of total's size. Elsewhere the product in the operands'
-    dtype is added (autograd's rounding under autocast)."""
-    if (
-        total.is_cuda
-        and total.dtype == torch.float32
-        and a.dtype in _FP32_OUTPUT_INPUTS
-        and a.dtype == b.dtype
-    ):
-        return torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+    to the operands' dtype, no temporaries of total's size. Elsewhere, or where this torch refuses
+    an fp32 total beside low-precision operands (older releases: a warning, once), the product in
+    the operands' dtype is added (autograd's rounding under autocast)."""
+    global _fp32_output_error
+    fused = total.is_cuda and total.dtype == torch.float32 and a.dtype in _FP32_OUTPUT_INPUTS
+    if fused and a.dtype == b.dtype and _fp32_output_error is None:
+        try:
+            return torch.addmm(total, a, b, out_dtype=torch.float32, out=total)
+        except RuntimeError as error:  # its checks run before any work: total is as it was
+            _fp32_output_error = str(error)
+            _log.warning("fp32-output GEMMs are off, gradients summed via a rounded product: %s", error)
     return total.add_(a @ b)
+
+
+def fp32_output_error() -> str | None:
+    """Why `add_product_` stopped using fp32-output GEMMs in this process (None: it did not)."""
+    return _fp32_output_error
