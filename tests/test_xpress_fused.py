@@ -39,3 +39,21 @@ def test_the_fused_passes_equal_the_torch_path(monkeypatch) -> None:
     assert torch.equal(stats["correct"], ref_stats["correct"])
     for name, grad in ref_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_gradient_pass_refuses_what_its_offsets_cannot_address() -> None:
+    """Mismatched shapes, and passes whose offsets pass int32, raise before any launch: the first
+    fused chunk's check then turns the torch path on (test_xpress_chunks.py)."""
+    from dflash_mp.kernels.fused_xpress import xpress_gradients_in_place
+
+    def call(raw, biases):
+        labels = torch.zeros(raw.shape[0], dtype=torch.long, device="meta")
+        stats = torch.zeros(biases.shape[0], raw.shape[0], device="meta")
+        return xpress_gradients_in_place(raw, biases, labels, stats, stats)
+
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    with pytest.raises(ValueError, match="rows contiguous"):
+        call(torch.empty(4, 10, **meta), torch.empty(2, 4, 11, **meta))
+    rows, vocab = 2048, 1 << 19  # 2^30 elements a pass: the third pass's offset passes 2^31
+    with pytest.raises(ValueError, match="overflow int32"):
+        call(torch.empty(rows, vocab, **meta), torch.empty(3, rows, vocab, **meta))

@@ -49,6 +49,10 @@ def xpress_gradients_in_place(
         )
     if log_normalisers.shape != weights.shape or log_normalisers.shape[0] not in (passes, passes + 1):
         raise ValueError(f"fused XPress: lse {tuple(log_normalisers.shape)}, weights {tuple(weights.shape)}")
+    if passes * biases.stride(0) >= 2**31:
+        raise ValueError(
+            f"fused XPress: {passes} passes of {biases.stride(0)} elements overflow int32 offsets"
+        )
     if rows == 0:
         return raw
     capped = softcap is not None and softcap > 0
@@ -79,6 +83,7 @@ if triton is not None:
         is_label = (index == tl.load(labels_ptr + row)).to(tl.float32)
         total = tl.zeros([TILE], tl.float32)
         for p in tl.static_range(PASSES):
+            # p * pass_stride in int32: the wrapper refuses more (a chunk holds <= 2^26 elements).
             pointers = bias_ptr + p * pass_stride + row * bias_stride + index
             z = base + tl.load(pointers, mask=inside, other=0.0).to(tl.float32)
             c = tl.load(weights_ptr + p * rows + row)
