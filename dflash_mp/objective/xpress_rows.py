@@ -98,27 +98,33 @@ def _row_weights(ce: Tensor, targets: _Targets, decayed: bool, dpace_alpha: floa
 
 @dataclass
 class _Grads:
-    """The gradients the forward takes (fp32 sums where chunks add to them), and the latents with
-    their gradients, taken back through the refiner once all chunks ran."""
+    """The gradients the forward takes (fp32 sums where chunks add to them), and each pass's
+    previous tokens with its latent's gradient, taken back through the refiner once all chunks ran."""
 
     hidden: Tensor
     cache: Tensor
     readout: Tensor
     latent: list[Tensor]
-    pending: list[tuple[Tensor, Tensor, Tensor, slice]] = field(default_factory=list)
+    pending: list[tuple[Tensor, slice, Tensor]] = field(default_factory=list)
 
-    def take_latent_gradients(self, params: list[Tensor]) -> None:
-        """One backward through the refiner's rank-r layers for every chunk's latents: the hidden
-        cache's rows and the parameters' sums (one embedding gradient, not one per chunk)."""
+    def take_latent_gradients(self, refiner: XPressRefiner, cache: Tensor, params: list[Tensor]) -> None:
+        """One backward through the refiner's rank-r layers for every pass of every chunk: their
+        latents recomputed at once from (previous tokens, the chunk's cache rows), so autograd runs
+        one small graph, not one per pass, and the embedding's dense [V, r] gradient is made once,
+        not summed over every pass. Fills the hidden cache's gradient and adds the parameters'."""
         if not self.pending:
             return
-        latents, latent_grads, leaves, rows = zip(*self.pending, strict=True)
+        prevs, parts, latent_grads = zip(*self.pending, strict=True)
         self.pending = []
-        chunks = list({id(leaf): (leaf, part) for leaf, part in zip(leaves, rows, strict=True)}.values())
-        found = torch.autograd.grad(latents, [leaf for leaf, _ in chunks] + params, latent_grads)
-        for (_, part), grad in zip(chunks, found, strict=False):
-            self.cache[part] = grad.flatten(0, 1)
-        for total, grad in zip(self.latent, found[len(chunks) :], strict=True):
+        block_size = prevs[0].shape[1]
+        cache_leaf = cache.detach().requires_grad_()
+        with torch.enable_grad():
+            blocks = cache_leaf.view(-1, block_size, cache.shape[-1])
+            latent = refiner.latent(torch.cat(prevs), torch.cat([blocks[part] for part in parts]))
+        grad = torch.cat(latent_grads).view_as(latent).to(latent.dtype)
+        found = torch.autograd.grad(latent, [cache_leaf, *params], grad)
+        self.cache.copy_(found[0])
+        for total, grad in zip(self.latent, found[1:], strict=True):
             total += grad.float()
 
 
@@ -138,8 +144,8 @@ def _chunk(
     dz = None
     if grads is not None:
         dz = torch.empty(kind.slots(len(passes), biased), *raw.shape, dtype=readout.dtype, device=raw.device)
-    cache_leaf = cache.view(blocks, block_size, -1).detach().requires_grad_(grads is not None)
-    weighted, latents, flats = [], [], []
+    chunk_cache = cache.view(blocks, block_size, -1)
+    weighted, prevs, flats = [], [], []
     prev = previous_tokens(targets.labels, targets.before_anchor)  # the teacher-forced pass's
     correct = None
     for index in range(biased):
@@ -147,9 +153,8 @@ def _chunk(
             guess = guess.view(blocks, block_size).clone()
             guess[:, 0] = targets.labels[:, 0]
             prev = previous_tokens(guess, targets.before_anchor)
-        with torch.enable_grad() if grads is not None else torch.no_grad():
-            latent = refiner.latent(prev, cache_leaf)
-        flat = latent.detach().flatten(0, 1).to(readout.dtype)
+        with torch.no_grad():  # its gradient: `take_latent_gradients`, once for all passes
+            flat = refiner.latent(prev, chunk_cache).flatten(0, 1).to(readout.dtype)
         bias = F.linear(flat, readout) if dz is None else torch.mm(flat, readout.t(), out=dz[index])
         ce, argmax, state = vocab.statistics(bias)
         if index == 0:
@@ -160,7 +165,7 @@ def _chunk(
         weighted.append(ce.view(blocks, block_size) * weights)
         if dz is not None:
             vocab.pass_gradient(index, state, (weights * scales[index]).flatten(), dz)
-            latents.append(latent)
+            prevs.append(prev)
             flats.append(flat)
         del bias, state
     if opts.base_anchor_weight > 0:
@@ -176,8 +181,8 @@ def _chunk(
         flat = torch.cat(flats)
         add_product_(grads.readout, with_bias.T, flat)
         latent_grads = (with_bias @ readout).split(flat.shape[0] // biased)
-        for latent, grad in zip(latents, latent_grads, strict=True):
-            grads.pending.append((latent, grad.view_as(latent).to(latent.dtype), cache_leaf, rows))
+        part = slice(rows.start // block_size, rows.start // block_size + blocks)
+        grads.pending += [(prev, part, grad) for prev, grad in zip(prevs, latent_grads, strict=True)]
     return torch.stack(weighted), correct
 
 
@@ -204,7 +209,7 @@ def _first_fused_chunk_checked(args: tuple, grads: _Grads | None) -> tuple[Tenso
         if grads is not None:
             pairs += [(scratch.hidden[rows], grads.hidden[rows]), (scratch.readout, grads.readout)]
             mine, theirs = scratch.pending, grads.pending[-len(scratch.pending) :]
-            pairs += [(a[1], b[1]) for a, b in zip(mine, theirs, strict=True)]  # the latents' gradients
+            pairs += [(a[2], b[2]) for a, b in zip(mine, theirs, strict=True)]  # the latents' gradients
         problem = disagreement(pairs)
     if problem is not None:
         _fused_error = problem
@@ -252,7 +257,7 @@ class _XPressRowLoss(torch.autograd.Function):
             weighted.append(chunk_weighted)
             correct.append(chunk_correct)
         if grads is not None:
-            grads.take_latent_gradients(list(latent_params))
+            grads.take_latent_gradients(refiner, cache, list(latent_params))
         # Each pass's sum over the micro-batch at once (as `xpress_terms`), over the scored count.
         values = torch.stack([term.sum() for term in torch.cat(weighted, dim=1)]) / denominator
         loss, _ = combine_passes(values, opts.rounds, opts.consistency_weight, opts.base_anchor_weight)
