@@ -134,7 +134,7 @@ def test_ties_of_draft_and_teacher_split_the_tv_gradient_as_torch_minimum_does()
 
 
 def test_the_chunks_are_whole_blocks_of_dspark_chunk_rows(monkeypatch) -> None:
-    assert chunk_rows_of(151936, 16) == dspark_chunk_rows(151936) // 16 * 16 == 432
+    assert chunk_rows_of(151936, 16) == dspark_chunk_rows(151936) // 16 * 16 == 880
     assert chunk_rows_of(10**9, 16) == 16 and chunk_rows_of(300, 4, 7) == 4
     seen = []
     original = dspark_rows._chunk

@@ -48,7 +48,8 @@ def _reference_weights_of_block(
     """speculators' D-PACE on blocks [N, Bs] laid out as its packed [1, N*Bs] row."""
     mask = scored.reshape(1, -1).float()
     block_size = ce_by_block.shape[-1]
-    return _reference().dpace_loss_decay(
+    reference = _reference()
+    return reference.dpace_loss_decay(
         torch.arange(mask.shape[1]) % block_size,
         loss_mask=mask,
         block_size=block_size,

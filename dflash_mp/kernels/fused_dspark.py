@@ -29,7 +29,7 @@ logits and of the bias then differ): 7 without the Markov head, 10 with it; 3 an
 teacher. At Qwen3-8B's shape (8192 rows a step, V = 151936, bf16: 2.5 GB a unit) 25 GB a step with
 the Markov head, ~8.5 ms at 3 TB/s, against ~29 eager fp32 passes in the torch path (not yet measured).
 
-Column segments split a row over several programs in passes 1 and 2: a chunk has few rows (432 at
+Column segments split a row over several programs in passes 1 and 2: a chunk has few rows (880 at
 Qwen3's vocabulary), too few programs to fill the GPU one row each. Untuned: the tile and segment
 sizes are fused_ce.py's tile and a guess, to be measured on the device.
 """

@@ -10,10 +10,10 @@ previous pass's argmax, then the base anchor (z_0 alone). Each pass's CE with it
 
 which goes three ways: into the readout's gradient (dz.T @ latent) and the latent's (dz @ readout),
 one matmul each over all of a chunk's passes, and, summed over the passes in fp32, through scale's
-derivative into the hidden states' (one head matmul per chunk). The latents' gradients run back
-through the refiner's rank-r layers (`XPressRefiner.latent`, autograd inside the forward, once for
-all chunks) to its parameters and to the hidden cache, whose own backward (down_h, down_g)
-autograd takes outside. The [rows, V] tensors are neither kept nor recomputed: against
+derivative into the hidden states' (one head matmul per chunk). Each pass's latent runs without
+a graph; after the last chunk every pass's latent is recomputed at once and autograd takes their
+gradients back through the refiner's rank-r layers (`XPressRefiner.latent`) to its parameters and
+to the hidden cache, whose own backward (down_h, down_g) autograd takes outside. The [rows, V] tensors are neither kept nor recomputed: against
 `xpress_terms` under checkpointing, one head matmul per chunk instead of four, no fp32
 log-softmax saved per pass, no second forward.
 
