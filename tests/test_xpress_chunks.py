@@ -136,6 +136,25 @@ def test_chunks_equal_one_chunk(weights: XPressWeights) -> None:
     torch.testing.assert_close(no_grad_loss, one_loss, rtol=0, atol=0)
 
 
+def test_the_refiner_runs_one_graph_for_every_pass_of_every_chunk(monkeypatch) -> None:
+    """Each pass's latent runs without a graph and one batched recompute takes all their gradients:
+    one dense embedding gradient a step, not one per pass and chunk (each a [V, r] fp32 sum)."""
+    calls = []
+    original = XPressRefiner.latent
+
+    def latent(self, prev_ids, cache):
+        calls.append((torch.is_grad_enabled(), prev_ids.shape[0]))
+        return original(self, prev_ids, cache)
+
+    monkeypatch.setattr(XPressRefiner, "latent", latent)
+    weights = WEIGHTS[3]  # 3 Jacobi rounds: 4 biased passes per chunk
+    _run(weights, chunk_blocks=CHUNK)
+    with_graph = [blocks for grad, blocks in calls if grad]
+    passes = 1 + weights.consistency_passes
+    assert with_graph == [passes * BATCH * ANCHORS], calls
+    assert len(calls) == passes * 4 + 1  # 4 chunks (3+3+3+1 blocks), then the batched recompute
+
+
 def test_no_vocabulary_tensor_is_kept_for_the_backward(monkeypatch) -> None:
     saved = []
 
