@@ -136,6 +136,20 @@ def test_chunks_equal_one_chunk(weights: XPressWeights) -> None:
     torch.testing.assert_close(no_grad_loss, one_loss, rtol=0, atol=0)
 
 
+def test_the_latent_gradients_split_over_the_vocabulary_equal_the_reference(monkeypatch) -> None:
+    """`long_inner_product`'s split (on CUDA, chosen by the shape) taken here on the CPU: 301 = 4 x 64
+    + 45 columns, the remainder added to the pieces' sum."""
+    from dflash_mp.objective import autocast_operands
+
+    calls = []
+    monkeypatch.setattr(autocast_operands, "split_pieces", lambda a, b: calls.append(a.shape) or 4)
+    loss, _, grads = _run(WEIGHTS[3], chunk_blocks=CHUNK)
+    _, _, ref_grads = _run(WEIGHTS[3], chunk_blocks=CHUNK, reference=True)
+    assert calls and all(shape[1] == VOCAB for shape in calls)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_the_refiner_runs_one_graph_for_every_pass_of_every_chunk(monkeypatch) -> None:
     """Each pass's latent runs without a graph and one batched recompute takes all their gradients:
     one dense embedding gradient a step, not one per pass and chunk (each a [V, r] fp32 sum)."""
