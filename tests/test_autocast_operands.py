@@ -93,9 +93,9 @@ def test_the_pieces_fill_the_gpu_only_where_the_output_is_small(monkeypatch) -> 
             torch.empty(rows, inner, dtype=dtype, device="meta"), torch.empty(inner, columns, device="meta")
         )
 
-    assert pieces(880, vocab, 256) == 19  # 14 output tiles: two waves of 132 SMs
-    assert pieces(3520, vocab, 256) == 5  # XPress's four passes at once: 56 tiles
-    assert pieces(880, vocab, 16384) == 1  # many tiles already
+    assert pieces(880, vocab, 256) == 37  # 14 output tiles: up to 4 waves of 132 SMs, pieces >= 4096
+    assert pieces(3520, vocab, 256) == 10  # XPress's four passes at once: 56 tiles
+    assert pieces(880, vocab, 65536) == 1  # many tiles already
     assert pieces(880, 6000, 256) == 1  # too short to split
     assert pieces(880, vocab, 256, torch.float32) == 1  # not a bf16 / fp16 GEMM
     monkeypatch.undo()

@@ -16,7 +16,7 @@ _fp32_output_error: str | None = None  # this torch's refusal of an fp32 total: 
 _FP32_OUTPUT_INPUTS = (torch.bfloat16, torch.float16)  # what cuBLAS's fp32-output GEMM takes
 _SPLIT_MIN_PIECE = 4096  # the shortest inner dimension a split piece keeps (its tiles' K loop)
 _SPLIT_ALIGN = 64  # each piece's first column stays 16-byte aligned, as tensor-core GEMMs want
-_SPLIT_WAVES = 2  # output tiles to aim for, in multiples of the GPU's SMs
+_SPLIT_WAVES = 4  # output tiles to aim for, in multiples of the GPU's SMs (fewer, longer waves idle more)
 _GEMM_TILE = 128  # the output tile edge counted for a product's parallelism
 
 
