@@ -13,6 +13,7 @@ from torch import Tensor
 
 _log = logging.getLogger(__name__)
 _fp32_output_error: str | None = None  # this torch's refusal of an fp32 total: the portable path since
+_split_error: str | None = None  # this torch's refusal of an fp32-output batched GEMM: one GEMM since
 _FP32_OUTPUT_INPUTS = (torch.bfloat16, torch.float16)  # what cuBLAS's fp32-output GEMM takes
 _SPLIT_MIN_PIECE = 4096  # the shortest inner dimension a split piece keeps (its tiles' K loop)
 _SPLIT_ALIGN = 64  # each piece's first column stays 16-byte aligned, as tensor-core GEMMs want
@@ -53,6 +54,17 @@ def _refuse_fp32_output(error: RuntimeError) -> None:
     _log.warning("fp32-output GEMMs are off, products summed via rounded ones: %s", error)
 
 
+def _refuse_split(error: RuntimeError) -> None:
+    global _split_error
+    _split_error = str(error)
+    _log.warning("vocabulary-long products run as one GEMM: this torch has no fp32-output bmm: %s", error)
+
+
+def split_error() -> str | None:
+    """Why `long_inner_product` stopped splitting in this process (None: it did not)."""
+    return _split_error
+
+
 def fp32_output_error() -> str | None:
     """Why `add_product_` stopped using fp32-output GEMMs in this process (None: it did not)."""
     return _fp32_output_error
@@ -67,7 +79,7 @@ def split_pieces(a: Tensor, b: Tensor) -> int:
     """How many pieces of the inner dimension `long_inner_product` sums (1: one GEMM). A product
     such as [880, V] @ [V, 256] (a chunk's gradient into a rank-256 feature) has 14 output tiles
     and cuBLAS walks all of V inside each: 47 TFLOP/s measured on an H100, 14 of its 132 SMs busy."""
-    if not a.is_cuda or a.dtype not in _FP32_OUTPUT_INPUTS:
+    if not a.is_cuda or a.dtype not in _FP32_OUTPUT_INPUTS or a.dtype != b.dtype or _split_error:
         return 1
     (rows, inner), columns = a.shape, b.shape[1]
     tiles = math.ceil(rows / _GEMM_TILE) * math.ceil(columns / _GEMM_TILE)
@@ -88,13 +100,16 @@ def long_inner_product(a: Tensor, b: Tensor, pieces: int | None = None) -> Tenso
     split = pieces * piece
     left = a[:, :split].unflatten(1, (pieces, piece)).transpose(0, 1)  # [pieces, m, piece]
     right = b[:split].unflatten(0, (pieces, piece))  # [pieces, piece, n]
-    partial = None
-    if a.is_cuda and a.dtype in _FP32_OUTPUT_INPUTS and a.dtype == b.dtype and _fp32_output_error is None:
+    if a.is_cuda and a.dtype in _FP32_OUTPUT_INPUTS:
+        if _split_error is not None:
+            return a @ b
         try:
-            partial = torch.bmm(left, right, out_dtype=torch.float32)
-        except RuntimeError as error:
-            _refuse_fp32_output(error)
-    total = (torch.bmm(left, right).float() if partial is None else partial).sum(0)
+            total = torch.bmm(left, right, out_dtype=torch.float32).sum(0)
+        except RuntimeError as error:  # checked before any work
+            _refuse_split(error)
+            return a @ b
+    else:  # the CPU (tests): partial products in the operands' dtype
+        total = torch.bmm(left, right).float().sum(0)
     if split < inner:
         add_product_(total, a[:, split:], b[split:])
     return total.to(a.dtype)
