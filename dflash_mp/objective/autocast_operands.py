@@ -78,7 +78,7 @@ def _multiprocessors(device: torch.device) -> int:
 def split_pieces(a: Tensor, b: Tensor) -> int:
     """How many pieces of the inner dimension `long_inner_product` sums (1: one GEMM). A product
     such as [880, V] @ [V, 256] (a chunk's gradient into a rank-256 feature) has 14 output tiles
-    and cuBLAS walks all of V inside each: 47 TFLOP/s measured on an H100, 14 of its 132 SMs busy."""
+    for an H100's 132 SMs, each walking all of V: 1.4 ms in a profile, about 47 TFLOP/s."""
     if not a.is_cuda or a.dtype not in _FP32_OUTPUT_INPUTS or a.dtype != b.dtype or _split_error:
         return 1
     (rows, inner), columns = a.shape, b.shape[1]
