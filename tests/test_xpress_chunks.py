@@ -150,6 +150,17 @@ def test_the_latent_gradients_split_over_the_vocabulary_equal_the_reference(monk
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_the_loss_copies_no_host_scalar_to_the_device(monkeypatch) -> None:
+    """On CUDA a tensor made from host data is a pageable copy that waits for the GPU's queue: the
+    loss fills its scalars on the device instead."""
+    made = []
+    for name in ("tensor", "as_tensor"):
+        original = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _o=original, **k: made.append(a) or _o(*a, **k))
+    _run(WEIGHTS[3], chunk_blocks=CHUNK)
+    assert made == []
+
+
 def test_the_refiner_runs_one_graph_for_every_pass_of_every_chunk(monkeypatch) -> None:
     """Each pass's latent runs without a graph and one batched recompute takes all their gradients:
     one dense embedding gradient a step, not one per pass and chunk (each a [V, r] fp32 sum)."""

@@ -235,9 +235,8 @@ class _XPressRowLoss(torch.autograd.Function):
             )
         ctx.dtypes = (readout.dtype, [p.dtype for p in latent_params])
         denominator = targets.mask.float().sum() + DENOMINATOR_EPS
-        scales = torch.stack(
-            [torch.as_tensor(w, device=hidden.device) / denominator for w, _ in opts.pass_weights()]
-        )
+        # Filled on the device: a host scalar's copy there would wait for the GPU (pageable memory).
+        scales = torch.stack([denominator.new_full((), w) / denominator for w, _ in opts.pass_weights()])
         hidden_in, head, readout = in_autocast_dtype(hidden, head, readout)
         chunk = opts.chunk_blocks or vocabulary_chunk_blocks(head.shape[0], block_size)
         weighted, correct = [], []
