@@ -13,9 +13,9 @@ one matmul each over all of a chunk's passes, and, summed over the passes in fp3
 derivative into the hidden states' (one head matmul per chunk). Each pass's latent runs without
 a graph; after the last chunk every pass's latent is recomputed at once and autograd takes their
 gradients back through the refiner's rank-r layers (`XPressRefiner.latent`) to its parameters and
-to the hidden cache, whose own backward (down_h, down_g) autograd takes outside. The [rows, V] tensors are neither kept nor recomputed: against
-`xpress_terms` under checkpointing, one head matmul per chunk instead of four, no fp32
-log-softmax saved per pass, no second forward.
+to the hidden cache, whose own backward (down_h, down_g) autograd takes outside. The [rows, V]
+tensors are neither kept nor recomputed: against `xpress_terms` under checkpointing, one head
+matmul per chunk instead of four, no fp32 log-softmax saved per pass, no second forward.
 
 Vocabulary work: on CUDA with Triton, each pass's statistics (with the argmax) in fused_dspark.py's
 CE-only pass over the matmuls' bf16 outputs, then one fused_xpress.py pass for all of a chunk's
