@@ -4,7 +4,7 @@ term, and the config's checks. The packed normalisation is in tests/test_packing
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 from types import SimpleNamespace
 
 import pytest
@@ -20,8 +20,9 @@ from dflash_mp.objective.position_weights import dpace_alpha_of, dpace_weights
 from tests.speculators_reference import speculators_module
 
 
+@cache
 def _reference():
-    """speculators' losses.utils, imported when a test needs it (a missing speculators skips that
+    """speculators' losses.utils, imported once, when a test needs it (a missing speculators skips that
     test alone, not the module's other tests)."""
     return speculators_module("losses.utils")
 
