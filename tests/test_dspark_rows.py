@@ -178,7 +178,7 @@ def _reference_row_loss(hidden, markov, teacher, labels, head, w2, weights, opti
     return loss, values[:3], terms.detach(), correct
 
 
-def _drafter_loss(dpace_alpha, multiplier, softcap, head_type):
+def _drafter_loss(dpace_alpha, multiplier, softcap, head_type, chunk_rows=None):
     target = Qwen3Config(
         hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, vocab_size=VOCAB,
@@ -208,12 +208,23 @@ def _drafter_loss(dpace_alpha, multiplier, softcap, head_type):
     )
     weights = DSparkLossWeights(ce=0.3, kl=0.7, tv=1.8, confidence=0.9)
     options = dict(
-        seed=0, num_anchors=6, gamma=2.0, attention="sdpa", dspark=weights, dpace_alpha=dpace_alpha
-    )
+        seed=0, num_anchors=6, gamma=2.0, attention="sdpa", dspark=weights, dpace_alpha=dpace_alpha,
+        vocabulary_chunk_rows=chunk_rows,
+    )  # fmt: skip
     loss, stats = drafter_loss(drafter, embed, head, batch, **options)
     loss.backward()
     grads = {name: p.grad for name, p in drafter.named_parameters() if p.grad is not None}
     return loss.detach(), stats, grads
+
+
+def _recording(chunk, rows: list[int]):
+    """`_chunk` that notes each chunk's rows."""
+
+    def record(inputs, *args):
+        rows.append(inputs[0].shape[0])
+        return chunk(inputs, *args)
+
+    return record
 
 
 @pytest.mark.parametrize(
@@ -221,8 +232,10 @@ def _drafter_loss(dpace_alpha, multiplier, softcap, head_type):
     [(None, 1.0, None, "gated"), (0.4, 0.7, 6.0, "rnn")],
 )
 def test_dspark_loss_equals_the_autograd_reference(monkeypatch, dpace_alpha, multiplier, softcap, head_type):
-    monkeypatch.setattr(dspark_rows, "vocabulary_chunk_blocks", lambda vocab, block: 2)  # two blocks
-    got = _drafter_loss(dpace_alpha, multiplier, softcap, head_type)
+    chunks = []
+    monkeypatch.setattr(dspark_rows, "_chunk", _recording(dspark_rows._chunk, chunks))
+    got = _drafter_loss(dpace_alpha, multiplier, softcap, head_type, chunk_rows=2 * BLOCK + 1)  # two blocks
+    assert len(chunks) > 2 and max(chunks) == 2 * BLOCK  # train.vocabulary_chunk_rows reached the loss
     monkeypatch.setattr(dspark_loss_module, "dspark_row_loss", _reference_row_loss)
     expected = _drafter_loss(dpace_alpha, multiplier, softcap, head_type)
     torch.testing.assert_close(got[0], expected[0], **TOLERANCE)

@@ -31,8 +31,9 @@ def _shape(*overrides: str):
     return training_shape(cfg, QWEN3_8B)
 
 
-def test_the_dspark_chunk_is_the_one_the_loss_takes(monkeypatch) -> None:
-    shape = _shape("model.arch=dspark")
+@pytest.mark.parametrize("chunk_rows", [None, 100])  # 100: six blocks of 16
+def test_the_dspark_chunk_is_the_one_the_loss_takes(monkeypatch, chunk_rows) -> None:
+    shape = _shape("model.arch=dspark", f"train.vocabulary_chunk_rows={chunk_rows or 'null'}")
     vocab, hidden, block = shape.target.vocab, 4, shape.block_size
     seen = []
     chunk_body = dspark_rows._chunk
@@ -43,14 +44,16 @@ def test_the_dspark_chunk_is_the_one_the_loss_takes(monkeypatch) -> None:
 
     monkeypatch.setattr(dspark_rows, "_chunk", record)
     head = torch.zeros(1, hidden).expand(vocab, hidden)  # the vocabulary's rows without their memory
-    rows = 2 * dspark_rows.chunk_rows_of(vocab, block) + 3 * block
+    rows = 2 * dspark_rows.chunk_rows_of(vocab, block, chunk_rows) + 3 * block
+    options = dspark_rows.RowLossOptions(alphas=(1.0, 0.0, 0.0), block_size=block, chunk_rows=chunk_rows)
     with torch.no_grad():
         dspark_rows.dspark_row_loss(
             torch.zeros(rows, hidden), None, None, torch.zeros(rows, dtype=torch.long), head, None,
-            torch.ones(rows), dspark_rows.RowLossOptions(alphas=(1.0, 0.0, 0.0), block_size=block),
+            torch.ones(rows), options,
         )  # fmt: skip
     chunk = max(seen)
     assert len(seen) == 3 and sum(seen) == rows and chunk % block == 0
+    assert chunk == (96 if chunk_rows else 880)
     name, nbytes, formula = vocabulary_work(shape, DEFAULT_CONSTANTS)
     all_rows = shape.micro_batch * shape.num_anchors * block  # every block row: Bs drafts
     assert name == "DSpark vocabulary chunk" and f"min({chunk}, N*Bs)" in formula
@@ -89,7 +92,7 @@ def test_the_xpress_chunk_holds_what_the_loss_holds_whatever_the_passes(weight, 
     labels = torch.randint(0, vocab, (blocks, block))
     mask = torch.ones(blocks, block, dtype=torch.bool)
     options = xpress_rows.XPressRowOptions(
-        passes if weight else 0, weight, anchor, False, None, chunk_blocks=blocks
+        passes if weight else 0, weight, anchor, False, None, chunk_rows=blocks * block
     )
     states = torch.randn(blocks, block, hidden, requires_grad=True)
     head = torch.randn(vocab, hidden)
@@ -116,8 +119,9 @@ def test_the_xpress_chunk_holds_what_the_loss_holds_whatever_the_passes(weight, 
     assert shape.xpress_passes == count and nbytes == min(chunk, rows) * shape.target.vocab * per_element
 
 
-def test_the_xpress_chunk_is_the_one_the_loss_takes(monkeypatch) -> None:
-    shape = _shape("model.arch=xpress")
+@pytest.mark.parametrize("chunk_rows", [None, 100])
+def test_the_xpress_chunk_is_the_one_the_loss_takes(monkeypatch, chunk_rows) -> None:
+    shape = _shape("model.arch=xpress", f"train.vocabulary_chunk_rows={chunk_rows or 'null'}")
     vocab, block, hidden = shape.target.vocab, shape.block_size, 4
     seen = []
 
@@ -133,7 +137,7 @@ def test_the_xpress_chunk_is_the_one_the_loss_takes(monkeypatch) -> None:
     blocks = 100
     labels = torch.zeros(blocks, block, dtype=torch.long)
     states = torch.zeros(blocks, block, hidden)
-    options = xpress_rows.XPressRowOptions(3, 0.3, 0.6, False, None)
+    options = xpress_rows.XPressRowOptions(3, 0.3, 0.6, False, None, chunk_rows=chunk_rows)
     with torch.no_grad():
         xpress_rows.xpress_row_loss(
             refiner,
@@ -143,7 +147,7 @@ def test_the_xpress_chunk_is_the_one_the_loss_takes(monkeypatch) -> None:
             options,
         )
     chunk = max(seen) * block
-    assert len(seen) > 1 and sum(seen) == blocks
+    assert len(seen) > 1 and sum(seen) == blocks and chunk == (96 if chunk_rows else 880)
     name, nbytes, formula = vocabulary_work(shape, DEFAULT_CONSTANTS)
     assert name == "XPress vocabulary chunk" and f"min({chunk}, N*Bs)" in formula
     terms = {t.name for t in drafter_rank(shape).phases["drafter step"]}
@@ -193,3 +197,29 @@ def test_plan_memory_shows_each_arch_vocabulary_term(capsys) -> None:
         peaks[arch] = drafter_rank(_shape(f"model.arch={arch}")).peak_gib
     # The heads and XPress's logits of every pass: both above DFlash at Qwen3's 152k vocabulary.
     assert peaks["dflash"] < peaks["dspark"] < peaks["xpress"]
+
+
+@pytest.mark.parametrize("arch", ["dspark", "xpress"])
+def test_the_trainer_takes_the_configured_vocabulary_chunk(monkeypatch, arch) -> None:
+    """train.vocabulary_chunk_rows reaches a training step's loss, rounded down to whole blocks."""
+    from dflash_mp.training.trainer import DrafterTrainer
+    from tests.test_trainer import _micro_batch
+
+    seen: list[int] = []
+    module = dspark_rows if arch == "dspark" else xpress_rows
+    chunk = module._chunk
+    if arch == "dspark":
+        record = lambda inputs, *args: seen.append(inputs[0].shape[0]) or chunk(inputs, *args)  # noqa: E731
+    else:
+        record = lambda kind, refiner, head, hidden, *args: (  # noqa: E731
+            seen.append(hidden.shape[0]) or chunk(kind, refiner, head, hidden, *args)
+        )
+    monkeypatch.setattr(module, "_chunk", record)
+    overrides = [f"model.arch={arch}", "train.max_steps=1", "model.markov_rank=4", "model.xpress_rank=4"]
+    cfg = to_dataclass(compose_config(overrides))
+    block = cfg.model.block_size
+    cfg.train.vocabulary_chunk_rows = 2 * block + 1
+    trainer = DrafterTrainer(cfg, torch.device("cpu"), total_steps=1)
+    trainer.micro_step(_micro_batch(cfg), last_of_step=True)
+    assert not trainer.optimizer_step()["skipped"]
+    assert len(seen) > 2 and max(seen) == 2 * block, seen

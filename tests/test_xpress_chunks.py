@@ -65,7 +65,9 @@ def _run(
     if reference:
         loss, stats = _reference_loss(drafter, hidden, head, blocks, weights, chunk_blocks)
     else:
-        loss, stats = xpress_drafter_loss(drafter, hidden, head, blocks, weights, chunk_blocks=chunk_blocks)
+        loss, stats = xpress_drafter_loss(
+            drafter, hidden, head, blocks, weights, chunk_rows=chunk_blocks * BLOCK
+        )
     loss.backward()
     grads = {name: p.grad for name, p in drafter.refiner_head.named_parameters()}
     return loss, stats, {"hidden": hidden.grad, **grads}
@@ -132,7 +134,7 @@ def test_chunks_equal_one_chunk(weights: XPressWeights) -> None:
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-6)
     with torch.no_grad():  # and without a gradient the same value
         drafter, (head, hidden, draft) = Drafter(), _inputs()
-        no_grad_loss, _ = xpress_drafter_loss(drafter, hidden, head, draft, weights, chunk_blocks=CHUNK)
+        no_grad_loss, _ = xpress_drafter_loss(drafter, hidden, head, draft, weights, chunk_rows=CHUNK * BLOCK)
     torch.testing.assert_close(no_grad_loss, one_loss, rtol=0, atol=0)
 
 
@@ -255,7 +257,7 @@ def test_under_autocast_the_loss_runs_in_bf16_without_an_fp32_head() -> None:
                 loss, _ = _reference_loss(drafter, hidden, head, blocks, XPressWeights(), CHUNK)
             else:
                 loss, _ = xpress_drafter_loss(
-                    drafter, hidden, head, blocks, XPressWeights(), chunk_blocks=CHUNK
+                    drafter, hidden, head, blocks, XPressWeights(), chunk_rows=CHUNK * BLOCK
                 )
         if not reference:
             assert ((VOCAB, HIDDEN), torch.float32) not in outputs.seen

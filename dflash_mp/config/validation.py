@@ -231,6 +231,12 @@ def _validate_train(problems: list[str], tr: Any) -> None:
         problems.append(
             f"train.activation_checkpointing={tr.activation_checkpointing!r}: must be true or false"
         )
+    chunk = tr.vocabulary_chunk_rows
+    if chunk is not None and not (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 1):
+        problems.append(
+            f"train.vocabulary_chunk_rows={chunk!r}: must be a number of rows >= 1 (rounded down to "
+            "whole blocks, at least one), or null for the default"
+        )
     _choice(problems, "train.cuda_graphs", str(tr.cuda_graphs).lower(), ("auto", "true", "false"))
     if str(tr.cuda_graphs).lower() == "true" and tr.device == "cpu":
         problems.append("train.cuda_graphs=true needs a GPU, not train.device=cpu: use auto or false")

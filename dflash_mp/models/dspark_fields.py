@@ -55,8 +55,8 @@ def dspark_chunk_rows(vocab: int) -> int:
     return min(DSPARK_CHUNK_MAX_ROWS, max(1, DSPARK_CHUNK_ELEMENTS // vocab))
 
 
-def vocabulary_chunk_blocks(vocab: int, block_size: int) -> int:
-    """Blocks of one chunk of DSpark's and XPress's vocabulary-sized loss work: `dspark_chunk_rows`
-    rounded down to whole blocks, at least one (a block's D-PACE weights and Jacobi passes read only
-    that block, so chunks split there)."""
-    return max(1, dspark_chunk_rows(vocab) // block_size)
+def vocabulary_chunk_blocks(vocab: int, block_size: int, rows: int | None = None) -> int:
+    """Blocks of one chunk of DSpark's and XPress's vocabulary-sized loss work: `rows`
+    (train.vocabulary_chunk_rows; None: `dspark_chunk_rows`) rounded down to whole blocks, at least
+    one (a block's D-PACE weights and Jacobi passes read only that block, so chunks split there)."""
+    return max(1, (rows or dspark_chunk_rows(vocab)) // block_size)

@@ -74,6 +74,7 @@ def drafter_loss(
     dpace_alpha: float | None = None,
     xpress: XPressWeights | None = None,
     dspark: DSparkLossWeights | None = None,
+    vocabulary_chunk_rows: int | None = None,
 ) -> tuple[Tensor, LossStats]:
     """The DFlash loss of one micro-batch; shared by the reference trainer and the drafter ranks.
 
@@ -88,7 +89,8 @@ def drafter_loss(
     flex_attention has no backward). `blocks`: `loss_blocks` of this batch with the same
     arguments, made earlier; None makes them here. `dpace_alpha`: train.position_weights=dpace
     (position_weights.py), None: the decay. An XPress drafter (a `refiner_head`) trains on its
-    refiner's passes and terms instead (xpress_loss.py, weights `xpress`).
+    refiner's passes and terms instead (xpress_loss.py, weights `xpress`). Both take their
+    vocabulary-sized work `vocabulary_chunk_rows` rows at a time (None: their default).
     """
     if blocks is None:
         options = dict(seed=seed, num_anchors=num_anchors, gamma=gamma, attention=attention)
@@ -96,13 +98,16 @@ def drafter_loss(
     drafter_module = getattr(drafter, "module", drafter)
     if getattr(drafter_module, "arch", "dflash") == "dspark":  # its own labels, forward and terms
         weights = dspark or DSparkLossWeights()
-        return dspark_loss(drafter, embed_weight, head_weight, batch, blocks, gamma, weights, dpace_alpha)  # type: ignore[return-value]
+        chunk = vocabulary_chunk_rows
+        return dspark_loss(
+            drafter, embed_weight, head_weight, batch, blocks, gamma, weights, dpace_alpha, chunk
+        )  # type: ignore[return-value]
     # A DFlash drafter computes no row twice and none the loss does not score (block_rows.py).
     sparing = getattr(drafter_module, "skips_repeated_rows", False)
     hidden = _drafter_hidden(drafter, embed_weight, batch, blocks, sparing)
     if getattr(drafter_module, "refiner_head", None) is not None:
         terms = (xpress or XPressWeights())._replace(dpace_alpha=dpace_alpha)
-        return xpress_drafter_loss(drafter_module, hidden, head_weight, blocks, terms)  # type: ignore[return-value]
+        return xpress_drafter_loss(drafter_module, hidden, head_weight, blocks, terms, vocabulary_chunk_rows)  # type: ignore[return-value]
     return _head_loss(
         drafter_module, hidden, head_weight, blocks, sparing, selector_alpha, selector_gold, dpace_alpha
     )

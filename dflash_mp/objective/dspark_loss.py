@@ -137,6 +137,7 @@ def _rows_loss(
     confidence: Tensor | None,
     alphas: DSparkLossWeights,
     dpace_alpha: float | None,
+    chunk_rows: int | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The loss of the rows [M] (hidden states, Markov features, teacher rows, labels), the four
     term values, and (accept [M], argmax == label [M]), with the gradient of CE, KL and TV taken in
@@ -147,6 +148,7 @@ def _rows_loss(
         dpace_alpha,
         module.output_multiplier,
         module.final_logit_softcapping,
+        chunk_rows,
     )
     w2 = None if module.markov_head is None else module.markov_head.markov_w2.weight
     hidden, markov, teacher, labels = rows
@@ -170,9 +172,11 @@ def dspark_loss(
     gamma: float,
     alphas: DSparkLossWeights,
     dpace_alpha: float | None = None,
+    chunk_rows: int | None = None,
 ) -> tuple[Tensor, dict]:
     """The DSpark loss of one micro-batch and its stats (`drafter_loss`'s contract, plus
-    stats["dspark"], a vector of sums: `dspark_metrics_stats`); `dpace_alpha`: D-PACE weights."""
+    stats["dspark"], a vector of sums: `dspark_metrics_stats`); `dpace_alpha`: D-PACE weights;
+    `chunk_rows`: rows per chunk of the vocabulary work (train.vocabulary_chunk_rows)."""
     module = getattr(drafter, "module", drafter)
     block_size, hidden_size = module.block_size, module.config.hidden_size
     labels, weights, positions = dspark_labels(
@@ -212,7 +216,7 @@ def dspark_loss(
     flat_weights = weights.flatten()
     rows = (hidden.flatten(0, 1), markov, teacher, labels.flatten())
     loss, term_values, accept, correct = _rows_loss(
-        module, rows, head_weight, flat_weights, confidence, alphas, dpace_alpha
+        module, rows, head_weight, flat_weights, confidence, alphas, dpace_alpha, chunk_rows
     )
     scored = (weights > 0).reshape(-1, block_size)
     stats = {

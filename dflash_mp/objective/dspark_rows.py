@@ -80,15 +80,12 @@ class RowLossOptions:
     dpace_alpha: float | None = None
     multiplier: float = 1.0
     softcap: float | None = None
-    chunk_rows: int | None = None  # None: vocabulary_chunk_blocks whole blocks; else rounded down to them
+    chunk_rows: int | None = None  # train.vocabulary_chunk_rows (None: the default), rounded to whole blocks
 
 
 def chunk_rows_of(vocab: int, block_size: int, chunk_rows: int | None = None) -> int:
-    """Rows of one chunk: `vocabulary_chunk_blocks` whole blocks, or `chunk_rows` (tests) rounded
-    down to whole blocks, at least one (D-PACE weights read a block's rows)."""
-    if chunk_rows is None:
-        return vocabulary_chunk_blocks(vocab, block_size) * block_size
-    return max(1, chunk_rows // block_size) * block_size
+    """Rows of one chunk: `vocabulary_chunk_blocks` whole blocks (of `chunk_rows` when given)."""
+    return vocabulary_chunk_blocks(vocab, block_size, chunk_rows) * block_size
 
 
 def loss_denominator(weights: Tensor, dpace_alpha: float | None) -> Tensor:

@@ -152,12 +152,13 @@ def xpress_drafter_loss(
     head_weight: Tensor,
     blocks: DraftBlocks,
     xpress: XPressWeights,
-    chunk_blocks: int | None = None,
+    chunk_rows: int | None = None,
 ) -> tuple[Tensor, dict]:
     """The XPress loss of a micro-batch and its `LossStats` (lm_head_loss.py) plus stats["xpress"]:
     hidden [B, N*Bs, H] of every block row; the blocks' labels/weights [B, N, Bs] (`block_labels`:
     weight = decay * scored) and before_anchor [B, N]. Accuracy is the teacher-forced refined
-    argmax's, as the reference reports it. The head's logits too are made a chunk at a time."""
+    argmax's, as the reference reports it. The head's logits too are made a chunk at a time, of
+    `chunk_rows` rows (train.vocabulary_chunk_rows; None: the default)."""
     labels, weights, before_anchor = blocks.labels, blocks.weights, blocks.before_anchor
     block_size = labels.shape[-1]
     hidden = hidden.reshape(-1, block_size, hidden.shape[-1])
@@ -172,7 +173,7 @@ def xpress_drafter_loss(
         xpress.dpace_alpha,
         drafter.output_multiplier,
         drafter.final_logit_softcapping,
-        chunk_blocks,
+        chunk_rows,
     )
     targets = (labels.reshape(flat), before_anchor.reshape(-1), mask.reshape(flat), decay.reshape(flat))
     loss, values, correct = xpress_row_loss(drafter.refiner_head, hidden, head_weight, targets, options)

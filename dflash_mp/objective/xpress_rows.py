@@ -61,7 +61,7 @@ class XPressRowOptions:
     dpace_alpha: float | None
     multiplier: float = 1.0
     softcap: float | None = None
-    chunk_blocks: int | None = None  # None: vocabulary_chunk_blocks
+    chunk_rows: int | None = None  # train.vocabulary_chunk_rows (None: the default), rounded to whole blocks
 
     def pass_weights(self) -> list[tuple[float, bool]]:
         """(the pass's weight in the loss before the denominator, whether it is decayed) per pass:
@@ -238,7 +238,7 @@ class _XPressRowLoss(torch.autograd.Function):
         # Filled on the device: a host scalar's copy there would wait for the GPU (pageable memory).
         scales = torch.stack([denominator.new_full((), w) / denominator for w, _ in opts.pass_weights()])
         hidden_in, head, readout = in_autocast_dtype(hidden, head, readout)
-        chunk = opts.chunk_blocks or vocabulary_chunk_blocks(head.shape[0], block_size)
+        chunk = vocabulary_chunk_blocks(head.shape[0], block_size, opts.chunk_rows)
         weighted, correct = [], []
         for start in range(0, blocks, chunk):
             part = slice(start, start + chunk)

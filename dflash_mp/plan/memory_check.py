@@ -10,10 +10,12 @@ without one, or to plan for a smaller GPU); without either the check is skipped.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 from dflash_mp.config.dspark_checks import feature_layer_ids
 from dflash_mp.config.schema import RootConfig, read_target_config, resolved_target_layer_ids
+from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.plan.costs import shape_from_hf_config
 from dflash_mp.plan.memory import (
     GIB,
@@ -57,6 +59,7 @@ def training_shape(cfg: RootConfig, target_config: dict, world_size: int | None 
         drafters=t.drafters or world_size or 1,
         activation_checkpointing=tr.activation_checkpointing,
         **drafter_head_fields(m),
+        vocabulary_chunk_rows=tr.vocabulary_chunk_rows,
         teacher_layer=len(layer_ids) > len(drafter_ids),
         target_mlp_width=shape.expert_width * experts_per_token,
         target_parallel=1 if colocated else t.target_parallel,
@@ -144,10 +147,28 @@ def fixes(cfg: RootConfig, shape: TrainingShape, rank: Breakdown, total: float) 
         relieved = rank_breakdowns(cfg, with_checkpointing(shape))
         again = next(b for b in relieved if b.rank == rank.rank)
         options.append(f"train.activation_checkpointing=true (predicted {_gib(again.peak_gib)} GiB)")
+    options += _smaller_vocabulary_chunk(cfg, shape, rank)
     options += [f"fewer data.num_anchors (now {d.num_anchors})", smaller, *batch]
     if rank.rank == "colocated":
         options.append("a split layout (topology=3t5d)")
     return ", ".join(options[:-1]) + " or " + options[-1]
+
+
+def _smaller_vocabulary_chunk(cfg: RootConfig, shape: TrainingShape, rank: Breakdown) -> list[str]:
+    """DSpark's and XPress's fix of a quarter of the loss's vocabulary chunk, with its prediction
+    (none for the other archs, or where the chunk is one block already)."""
+    if shape.arch not in ("dspark", "xpress"):
+        return []
+    now = vocabulary_chunk_blocks(shape.target.vocab, shape.block_size, shape.vocabulary_chunk_rows)
+    if now == 1:
+        return []
+    rows = max(1, now // 4) * shape.block_size
+    relieved = rank_breakdowns(cfg, replace(shape, vocabulary_chunk_rows=rows))
+    again = next(b for b in relieved if b.rank == rank.rank)
+    return [
+        f"train.vocabulary_chunk_rows={rows} (now {now * shape.block_size}; predicted "
+        f"{_gib(again.peak_gib)} GiB, a slower loss)"
+    ]
 
 
 def memory_verdict(

@@ -7,7 +7,7 @@
   - dflash, dflash2: one chunk of the chunked LM-head CE's logits (objective/lm_head_loss.py);
   - dspark: one chunk of whole blocks (objective/dspark_rows.py, the gradient taken in the
     forward): the draft's logits, its softmax and the teacher's; the blocks per chunk are the
-    code's own (models/dspark_fields.py `vocabulary_chunk_blocks`);
+    code's own (models/dspark_fields.py `vocabulary_chunk_blocks`, train.vocabulary_chunk_rows);
   - xpress: one chunk of whole blocks (objective/xpress_rows.py, the gradient taken in the
     forward): the head's logits, each pass's bias and then its gradient, z_0 and one pass's logits
     in fp32 (torch path); the blocks per chunk are the code's own (models/dspark_fields.py).
@@ -63,7 +63,7 @@ def vocabulary_work(t: TrainingShape, c: Constants) -> tuple[str, float, str]:
     v = t.target.vocab
     rows, rows_formula = loss_rows(t)
     if t.arch == "dspark":
-        chunk = vocabulary_chunk_blocks(v, t.block_size) * t.block_size
+        chunk = vocabulary_chunk_blocks(v, t.block_size, t.vocabulary_chunk_rows) * t.block_size
         return (
             "DSpark vocabulary chunk",
             min(chunk, rows) * v * c.dspark_chunk_copies * 4,
@@ -71,7 +71,7 @@ def vocabulary_work(t: TrainingShape, c: Constants) -> tuple[str, float, str]:
             "(the draft's logits and softmax, the teacher's softmax)",
         )
     if t.arch == "xpress":
-        chunk = vocabulary_chunk_blocks(v, t.block_size) * t.block_size
+        chunk = vocabulary_chunk_blocks(v, t.block_size, t.vocabulary_chunk_rows) * t.block_size
         return (
             "XPress vocabulary chunk",
             min(chunk, rows) * v * (c.xpress_chunk_bytes + t.xpress_passes * c.xpress_pass_bytes),

@@ -182,6 +182,7 @@ class DrafterTrainer:
                 dpace_alpha=dpace_alpha_of(self.cfg.train),
                 xpress=xpress_weights(self.cfg.model),
                 dspark=loss_weights(self.cfg.model),
+                vocabulary_chunk_rows=self.cfg.train.vocabulary_chunk_rows,
             )
             if empty:
                 loss = loss * 0.0
