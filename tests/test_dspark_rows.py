@@ -106,18 +106,6 @@ def test_without_a_teacher_the_ce_equals_the_autograd_reference(dpace_alpha, mar
     _assert_equal_to_the_reference(_inputs(1), markov, False, options)
 
 
-def test_the_markov_gradient_split_over_the_vocabulary_equals_the_reference(monkeypatch) -> None:
-    """`long_inner_product`'s split (on CUDA, chosen by the shape) taken here on the CPU: 300 = 4 x 64
-    + 44 columns, the remainder added to the pieces' sum."""
-    from dflash_mp.objective import autocast_operands
-
-    calls = []
-    monkeypatch.setattr(autocast_operands, "split_pieces", lambda a, b: calls.append(a.shape) or 4)
-    options = RowLossOptions((0.3, 0.9, 1.8), BLOCK, None, 0.7, 6.0, CHUNK)
-    _assert_equal_to_the_reference(_inputs(), True, True, options)
-    assert calls and all(shape[1] == VOCAB for shape in calls)
-
-
 def test_under_no_grad_the_values_are_the_same_and_no_gradient_is_taken(monkeypatch) -> None:
     x, options = _inputs(2), RowLossOptions((0.3, 0.9, 1.8), BLOCK, 0.4, 0.7, 6.0, CHUNK)
     args = (x["hidden"], x["markov"], x["teacher"], x["labels"], x["head"], x["w2"], x["weights"], options)

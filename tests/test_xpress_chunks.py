@@ -138,20 +138,6 @@ def test_chunks_equal_one_chunk(weights: XPressWeights) -> None:
     torch.testing.assert_close(no_grad_loss, one_loss, rtol=0, atol=0)
 
 
-def test_the_latent_gradients_split_over_the_vocabulary_equal_the_reference(monkeypatch) -> None:
-    """`long_inner_product`'s split (on CUDA, chosen by the shape) taken here on the CPU: 301 = 4 x 64
-    + 45 columns, the remainder added to the pieces' sum."""
-    from dflash_mp.objective import autocast_operands
-
-    calls = []
-    monkeypatch.setattr(autocast_operands, "split_pieces", lambda a, b: calls.append(a.shape) or 4)
-    loss, _, grads = _run(WEIGHTS[3], chunk_blocks=CHUNK)
-    _, _, ref_grads = _run(WEIGHTS[3], chunk_blocks=CHUNK, reference=True)
-    assert calls and all(shape[1] == VOCAB for shape in calls)
-    for name, grad in ref_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-
-
 def test_the_loss_copies_no_host_scalar_to_the_device(monkeypatch) -> None:
     """On CUDA a tensor made from host data is a pageable copy that waits for the GPU's queue: the
     loss fills its scalars on the device instead."""

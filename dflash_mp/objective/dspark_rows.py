@@ -62,7 +62,7 @@ from dflash_mp.kernels.fused_dspark import (
     fused_dspark_runs_on,
 )
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
-from dflash_mp.objective.autocast_operands import add_product_, in_autocast_dtype, long_inner_product
+from dflash_mp.objective.autocast_operands import add_product_, in_autocast_dtype
 from dflash_mp.objective.fused_check import disagreement
 from dflash_mp.objective.position_weights import dpace_weights
 
@@ -263,7 +263,7 @@ def _fused_chunk(
     del teacher_raw, logits, wanted
     hidden_dz, dz = done  # raw and bias, overwritten
     if dz is not None and grads.markov is not None:
-        grads.markov[part] = long_inner_product(dz, w2.to(dz.dtype))
+        grads.markov[part] = dz @ w2.to(dz.dtype)
     if dz is not None and grads.w2 is not None:
         add_product_(grads.w2, dz.T, markov.to(dz.dtype))
     if hidden_dz is not None:
@@ -296,7 +296,7 @@ def _torch_chunk(
     if markov is not None and (grads.markov is not None or grads.w2 is not None):
         low = dz.to(bias_dtype)
         if grads.markov is not None:
-            grads.markov[part] = long_inner_product(low, w2.to(bias_dtype))
+            grads.markov[part] = low @ w2.to(bias_dtype)
         if grads.w2 is not None:
             add_product_(grads.w2, low.T, markov.to(bias_dtype))
         del low

@@ -39,7 +39,7 @@ from torch import Tensor
 from dflash_mp.kernels.fused_dspark import fused_dspark_runs_on
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.models.xpress import XPressRefiner, previous_tokens
-from dflash_mp.objective.autocast_operands import add_product_, in_autocast_dtype, long_inner_product
+from dflash_mp.objective.autocast_operands import add_product_, in_autocast_dtype
 from dflash_mp.objective.fused_check import disagreement
 from dflash_mp.objective.position_weights import dpace_weights
 from dflash_mp.objective.xpress_vocabulary import FusedVocabulary, TorchVocabulary
@@ -180,7 +180,7 @@ def _chunk(
         with_bias = dz[:biased].flatten(0, 1)
         flat = torch.cat(flats)
         add_product_(grads.readout, with_bias.T, flat)
-        latent_grads = long_inner_product(with_bias, readout).split(flat.shape[0] // biased)
+        latent_grads = (with_bias @ readout).split(flat.shape[0] // biased)
         part = slice(rows.start // block_size, rows.start // block_size + blocks)
         grads.pending += [(prev, part, grad) for prev, grad in zip(prevs, latent_grads, strict=True)]
     return torch.stack(weighted), correct
