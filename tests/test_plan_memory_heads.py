@@ -199,22 +199,34 @@ def test_plan_memory_shows_each_arch_vocabulary_term(capsys) -> None:
     assert peaks["dflash"] < peaks["dspark"] < peaks["xpress"]
 
 
-@pytest.mark.parametrize("arch", ["dspark", "xpress"])
+@pytest.mark.parametrize("arch", ["dflash", "dflash2", "dspark", "xpress"])
 def test_the_trainer_takes_the_configured_vocabulary_chunk(monkeypatch, arch) -> None:
-    """train.vocabulary_chunk_rows reaches a training step's loss, rounded down to whole blocks."""
+    """train.vocabulary_chunk_rows reaches a training step's loss: the LM-head CE's chunk (DFlash,
+    DFlash 2), whole blocks of it (DSpark, XPress)."""
+    from dflash_mp.objective import lm_head_loss
     from dflash_mp.training.trainer import DrafterTrainer
     from tests.test_trainer import _micro_batch
 
     seen: list[int] = []
-    module = dspark_rows if arch == "dspark" else xpress_rows
-    chunk = module._chunk
-    if arch == "dspark":
-        record = lambda inputs, *args: seen.append(inputs[0].shape[0]) or chunk(inputs, *args)  # noqa: E731
-    else:
-        record = lambda kind, refiner, head, hidden, *args: (  # noqa: E731
-            seen.append(hidden.shape[0]) or chunk(kind, refiner, head, hidden, *args)
+    if arch in ("dflash", "dflash2"):
+        apply = lm_head_loss._LinearCrossEntropy.apply
+        monkeypatch.setattr(
+            lm_head_loss._LinearCrossEntropy, "apply", lambda *args: seen.append(args[4]) or apply(*args)
         )
-    monkeypatch.setattr(module, "_chunk", record)
+    elif arch == "dspark":
+        chunk = dspark_rows._chunk
+        monkeypatch.setattr(
+            dspark_rows, "_chunk", lambda inputs, *a: seen.append(inputs[0].shape[0]) or chunk(inputs, *a)
+        )
+    else:
+        chunk = xpress_rows._chunk
+        monkeypatch.setattr(
+            xpress_rows,
+            "_chunk",
+            lambda kind, r, head, hidden, *a: (
+                seen.append(hidden.shape[0]) or chunk(kind, r, head, hidden, *a)
+            ),
+        )
     overrides = [f"model.arch={arch}", "train.max_steps=1", "model.markov_rank=4", "model.xpress_rank=4"]
     cfg = to_dataclass(compose_config(overrides))
     block = cfg.model.block_size
@@ -222,4 +234,7 @@ def test_the_trainer_takes_the_configured_vocabulary_chunk(monkeypatch, arch) ->
     trainer = DrafterTrainer(cfg, torch.device("cpu"), total_steps=1)
     trainer.micro_step(_micro_batch(cfg), last_of_step=True)
     assert not trainer.optimizer_step()["skipped"]
-    assert len(seen) > 2 and max(seen) == 2 * block, seen
+    expected = 2 * block + (1 if arch in ("dflash", "dflash2") else 0)
+    assert seen and max(seen) == expected, seen
+    if arch in ("dspark", "xpress"):
+        assert len(seen) > 2

@@ -226,9 +226,10 @@ class TrainConfig:
     cuda_graphs: str = "auto"
     # Recompute each draft layer's forward in its backward instead of keeping its activations (long rows).
     activation_checkpointing: bool = False
-    # DSpark and XPress: rows per chunk of the loss's work over the vocabulary, rounded down to whole
-    # blocks; null: 2^27 / vocabulary size, at most 2048 (880 at Qwen3's). Smaller holds less memory
-    # (`python -m dflash_mp.plan memory` shows the chunk) and fills less of the GPU.
+    # Rows per chunk of the loss's work over the vocabulary (logits and their gradient); null: 2048
+    # for dflash and dflash2, for dspark and xpress 2^27 / vocabulary size, at most 2048 (880 at
+    # Qwen3's), rounded down to whole blocks. Smaller holds less memory (`python -m dflash_mp.plan
+    # memory` shows the chunk) and fills less of the GPU.
     vocabulary_chunk_rows: int | None = None
     # Write the HF-format drafter to run_dir/export at the end of training.
     export: bool = True

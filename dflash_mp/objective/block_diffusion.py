@@ -19,7 +19,12 @@ from torch.profiler import record_function
 from dflash_mp.models.block_rows import BlockRows
 from dflash_mp.objective.draft_blocks import DraftBlocks, context_positions, draft_blocks
 from dflash_mp.objective.dspark_loss import DSparkLossWeights, dspark_loss
-from dflash_mp.objective.lm_head_loss import LossStats, chunked_lm_head_loss, lm_head_loss_and_candidates
+from dflash_mp.objective.lm_head_loss import (
+    LM_HEAD_CHUNK_ROWS,
+    LossStats,
+    chunked_lm_head_loss,
+    lm_head_loss_and_candidates,
+)
 from dflash_mp.objective.selector_loss import selector_loss
 from dflash_mp.objective.xpress_loss import XPressWeights, xpress_drafter_loss
 
@@ -89,8 +94,8 @@ def drafter_loss(
     flex_attention has no backward). `blocks`: `loss_blocks` of this batch with the same
     arguments, made earlier; None makes them here. `dpace_alpha`: train.position_weights=dpace
     (position_weights.py), None: the decay. An XPress drafter (a `refiner_head`) trains on its
-    refiner's passes and terms instead (xpress_loss.py, weights `xpress`). Both take their
-    vocabulary-sized work `vocabulary_chunk_rows` rows at a time (None: their default).
+    refiner's passes and terms instead (xpress_loss.py, weights `xpress`). Every arch takes its
+    loss's work over the vocabulary `vocabulary_chunk_rows` rows at a time (None: its default).
     """
     if blocks is None:
         options = dict(seed=seed, num_anchors=num_anchors, gamma=gamma, attention=attention)
@@ -108,9 +113,8 @@ def drafter_loss(
     if getattr(drafter_module, "refiner_head", None) is not None:
         terms = (xpress or XPressWeights())._replace(dpace_alpha=dpace_alpha)
         return xpress_drafter_loss(drafter_module, hidden, head_weight, blocks, terms, vocabulary_chunk_rows)  # type: ignore[return-value]
-    return _head_loss(
-        drafter_module, hidden, head_weight, blocks, sparing, selector_alpha, selector_gold, dpace_alpha
-    )
+    options = (selector_alpha, selector_gold, dpace_alpha, vocabulary_chunk_rows)
+    return _head_loss(drafter_module, hidden, head_weight, blocks, sparing, *options)
 
 
 def _drafter_hidden(
@@ -161,10 +165,12 @@ def _head_loss(
     selector_alpha: float,
     selector_gold: str,
     dpace_alpha: float | None,
+    chunk_rows: int | None,
 ) -> tuple[Tensor, LossStats]:
     """The CE through the LM head, plus `selector_alpha` times the selector term for a DFlash 2
-    drafter (`drafter_loss` says what each argument is)."""
+    drafter (`drafter_loss` says what each argument is), its logits `chunk_rows` rows at a time."""
     labels, weights = blocks.labels, blocks.weights
+    chunk_tokens = chunk_rows or LM_HEAD_CHUNK_ROWS
     multiplier = getattr(drafter_module, "output_multiplier", 1.0)
     softcap = getattr(drafter_module, "final_logit_softcapping", None)
     selector = getattr(drafter_module, "candidate_selector", None)
@@ -175,6 +181,7 @@ def _head_loss(
                 head_weight,
                 labels,
                 weights,
+                chunk_tokens,
                 multiplier=multiplier,
                 softcap=softcap,
                 scored_only=sparing,
@@ -182,8 +189,8 @@ def _head_loss(
             )
     with record_function("dflash::lm_head_ce"):
         loss, stats, candidates = lm_head_loss_and_candidates(
-            hidden, head_weight, labels, weights, selector.top_k, multiplier=multiplier, softcap=softcap,
-            dpace_alpha=dpace_alpha,
+            hidden, head_weight, labels, weights, selector.top_k, chunk_tokens, multiplier=multiplier,
+            softcap=softcap, dpace_alpha=dpace_alpha,
         )  # fmt: skip
     with record_function("dflash::selector"):
         term, stats["selector"] = selector_loss(

@@ -106,6 +106,7 @@ def _compiled_ce_and_grad() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
     return torch.compile(_ce_and_grad)
 
 
+LM_HEAD_CHUNK_ROWS = 2048  # rows of logits per chunk by default (train.vocabulary_chunk_rows)
 # Eager chunks of logits stay under 8 MiB of fp32: temporaries that small are reused from the
 # allocator's free lists, larger ones are fresh pages every op (on CPU at vocab 151936, 13-row
 # chunks take the loss and its gradient 2.6x faster than one 448-row chunk).
@@ -192,7 +193,7 @@ def chunked_lm_head_loss(
     head_weight: Tensor,
     labels: Tensor,
     weights: Tensor,
-    chunk_tokens: int = 2048,
+    chunk_tokens: int = LM_HEAD_CHUNK_ROWS,
     multiplier: float = 1.0,
     softcap: float | None = None,
     scored_only: bool = False,
@@ -212,7 +213,7 @@ def lm_head_loss_and_candidates(
     labels: Tensor,
     weights: Tensor,
     top_k: int,
-    chunk_tokens: int = 2048,
+    chunk_tokens: int = LM_HEAD_CHUNK_ROWS,
     multiplier: float = 1.0,
     softcap: float | None = None,
     scored_only: bool = False,

@@ -15,9 +15,9 @@ from typing import Any
 
 from dflash_mp.config.dspark_checks import feature_layer_ids
 from dflash_mp.config.schema import RootConfig, read_target_config, resolved_target_layer_ids
-from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.plan.costs import shape_from_hf_config
 from dflash_mp.plan.memory import (
+    DEFAULT_CONSTANTS,
     GIB,
     Breakdown,
     TrainingShape,
@@ -27,7 +27,7 @@ from dflash_mp.plan.memory import (
     target_weights,
     with_checkpointing,
 )
-from dflash_mp.plan.memory_heads import xpress_ce_passes
+from dflash_mp.plan.memory_heads import loss_chunk_rows, xpress_ce_passes
 
 GPU_MEMORY_ENV = "DFLASH_MP_GPU_MEMORY_GIB"
 
@@ -155,19 +155,18 @@ def fixes(cfg: RootConfig, shape: TrainingShape, rank: Breakdown, total: float) 
 
 
 def _smaller_vocabulary_chunk(cfg: RootConfig, shape: TrainingShape, rank: Breakdown) -> list[str]:
-    """DSpark's and XPress's fix of a quarter of the loss's vocabulary chunk, with its prediction
-    (none for the other archs, or where the chunk is one block already)."""
-    if shape.arch not in ("dspark", "xpress"):
+    """A quarter of the loss's vocabulary chunk (whole blocks for DSpark and XPress), with its
+    prediction; none where the chunk cannot shrink."""
+    now = loss_chunk_rows(shape, DEFAULT_CONSTANTS)
+    whole_blocks = shape.arch in ("dspark", "xpress")
+    unit = shape.block_size if whole_blocks else 1
+    rows = max(1, now // unit // 4) * unit
+    if rows >= now:
         return []
-    now = vocabulary_chunk_blocks(shape.target.vocab, shape.block_size, shape.vocabulary_chunk_rows)
-    if now == 1:
-        return []
-    rows = max(1, now // 4) * shape.block_size
     relieved = rank_breakdowns(cfg, replace(shape, vocabulary_chunk_rows=rows))
     again = next(b for b in relieved if b.rank == rank.rank)
     return [
-        f"train.vocabulary_chunk_rows={rows} (now {now * shape.block_size}; predicted "
-        f"{_gib(again.peak_gib)} GiB, a slower loss)"
+        f"train.vocabulary_chunk_rows={rows} (now {now}; predicted {_gib(again.peak_gib)} GiB, a slower loss)"
     ]
 
 

@@ -58,12 +58,20 @@ def loss_rows(t: TrainingShape) -> tuple[int, str]:
     return blocks * (t.block_size - 1), "N*(Bs-1)"
 
 
+def loss_chunk_rows(t: TrainingShape, c: Constants) -> int:
+    """Rows of one chunk of the loss's work over the vocabulary (train.vocabulary_chunk_rows, or
+    the arch's default): whole blocks for DSpark and XPress, the LM-head CE's rows otherwise."""
+    if t.arch in ("dspark", "xpress"):
+        return vocabulary_chunk_blocks(t.target.vocab, t.block_size, t.vocabulary_chunk_rows) * t.block_size
+    return t.vocabulary_chunk_rows or c.lm_head_chunk_rows
+
+
 def vocabulary_work(t: TrainingShape, c: Constants) -> tuple[str, float, str]:
     """(name, bytes, formula) of what the loss holds over the vocabulary at once (module docstring)."""
     v = t.target.vocab
     rows, rows_formula = loss_rows(t)
     if t.arch == "dspark":
-        chunk = vocabulary_chunk_blocks(v, t.block_size, t.vocabulary_chunk_rows) * t.block_size
+        chunk = loss_chunk_rows(t, c)
         return (
             "DSpark vocabulary chunk",
             min(chunk, rows) * v * c.dspark_chunk_copies * 4,
@@ -71,16 +79,16 @@ def vocabulary_work(t: TrainingShape, c: Constants) -> tuple[str, float, str]:
             "(the draft's logits and softmax, the teacher's softmax)",
         )
     if t.arch == "xpress":
-        chunk = vocabulary_chunk_blocks(v, t.block_size, t.vocabulary_chunk_rows) * t.block_size
+        chunk = loss_chunk_rows(t, c)
         return (
             "XPress vocabulary chunk",
             min(chunk, rows) * v * (c.xpress_chunk_bytes + t.xpress_passes * c.xpress_pass_bytes),
             f"min({chunk}, {rows_formula}) x V x ({c.xpress_chunk_bytes:g} B + {t.xpress_passes} passes "
             f"x {c.xpress_pass_bytes:g} B) (raw logits, fp32 z_0 and one pass's z; each pass's dz)",
         )
-    chunk = min(c.lm_head_chunk_rows, rows) * v * c.lm_head_bytes_per_logit
+    chunk = loss_chunk_rows(t, c)
     return (
         "LM-head chunk",
-        chunk,
-        f"min({c.lm_head_chunk_rows}, {rows_formula}) x V x {c.lm_head_bytes_per_logit:g} B",
+        min(chunk, rows) * v * c.lm_head_bytes_per_logit,
+        f"min({chunk}, {rows_formula}) x V x {c.lm_head_bytes_per_logit:g} B",
     )
