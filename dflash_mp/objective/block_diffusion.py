@@ -103,10 +103,8 @@ def drafter_loss(
     drafter_module = getattr(drafter, "module", drafter)
     if getattr(drafter_module, "arch", "dflash") == "dspark":  # its own labels, forward and terms
         weights = dspark or DSparkLossWeights()
-        chunk = vocabulary_chunk_rows
-        return dspark_loss(
-            drafter, embed_weight, head_weight, batch, blocks, gamma, weights, dpace_alpha, chunk
-        )  # type: ignore[return-value]
+        options = (gamma, weights, dpace_alpha, vocabulary_chunk_rows)
+        return dspark_loss(drafter, embed_weight, head_weight, batch, blocks, *options)  # type: ignore[return-value]
     # A DFlash drafter computes no row twice and none the loss does not score (block_rows.py).
     sparing = getattr(drafter_module, "skips_repeated_rows", False)
     hidden = _drafter_hidden(drafter, embed_weight, batch, blocks, sparing)

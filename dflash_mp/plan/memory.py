@@ -126,7 +126,7 @@ class TrainingShape:
     xpress_rank: int = 256
     xpress_mlp_ratio: int = 2
     xpress_passes: int = 5  # passes whose gradient XPress's loss holds (memory_heads.xpress_ce_passes)
-    vocabulary_chunk_rows: int | None = None  # DSpark's and XPress's (train.vocabulary_chunk_rows)
+    vocabulary_chunk_rows: int | None = None  # the loss's (train.vocabulary_chunk_rows; None: the arch's)
     teacher_layer: bool = False  # DSpark: the last of the feature layers is the teacher's, not fc's input
     target_mlp_width: int = 0  # one token's MLP activations in the target (0: the dense width)
     target_parallel: int = 1

@@ -4,7 +4,8 @@
   XPress's refiner each hold a rank-r embedding of the vocabulary and a rank-r projection to it,
   fp32 parameters with AdamW's state (training/working_weights.py gives them no bf16 copies);
 - the loss's work over the vocabulary:
-  - dflash, dflash2: one chunk of the chunked LM-head CE's logits (objective/lm_head_loss.py);
+  - dflash, dflash2: one chunk of the chunked LM-head CE's logits (objective/lm_head_loss.py,
+    2048 rows or train.vocabulary_chunk_rows);
   - dspark: one chunk of whole blocks (objective/dspark_rows.py, the gradient taken in the
     forward): the draft's logits, its softmax and the teacher's; the blocks per chunk are the
     code's own (models/dspark_fields.py `vocabulary_chunk_blocks`, train.vocabulary_chunk_rows);
@@ -68,10 +69,9 @@ def loss_chunk_rows(t: TrainingShape, c: Constants) -> int:
 
 def vocabulary_work(t: TrainingShape, c: Constants) -> tuple[str, float, str]:
     """(name, bytes, formula) of what the loss holds over the vocabulary at once (module docstring)."""
-    v = t.target.vocab
+    v, chunk = t.target.vocab, loss_chunk_rows(t, c)
     rows, rows_formula = loss_rows(t)
     if t.arch == "dspark":
-        chunk = loss_chunk_rows(t, c)
         return (
             "DSpark vocabulary chunk",
             min(chunk, rows) * v * c.dspark_chunk_copies * 4,
@@ -79,14 +79,12 @@ def vocabulary_work(t: TrainingShape, c: Constants) -> tuple[str, float, str]:
             "(the draft's logits and softmax, the teacher's softmax)",
         )
     if t.arch == "xpress":
-        chunk = loss_chunk_rows(t, c)
         return (
             "XPress vocabulary chunk",
             min(chunk, rows) * v * (c.xpress_chunk_bytes + t.xpress_passes * c.xpress_pass_bytes),
             f"min({chunk}, {rows_formula}) x V x ({c.xpress_chunk_bytes:g} B + {t.xpress_passes} passes "
             f"x {c.xpress_pass_bytes:g} B) (raw logits, fp32 z_0 and one pass's z; each pass's dz)",
         )
-    chunk = loss_chunk_rows(t, c)
     return (
         "LM-head chunk",
         min(chunk, rows) * v * c.lm_head_bytes_per_logit,
