@@ -14,7 +14,7 @@ import torch
 
 from dflash_mp.kernels import fused_dspark
 from dflash_mp.kernels.fused_dspark import ChunkLogits
-from dflash_mp.objective import dspark_rows
+from dflash_mp.objective import dspark_rows, fused_check
 from dflash_mp.objective.dspark_rows import RowLossOptions, dspark_row_loss, term_row_weights
 from tests.test_dspark_rows import BLOCK, CHUNK, _inputs, _reference_row_loss
 
@@ -206,6 +206,7 @@ def _loss_and_grads(x: dict, options: RowLossOptions, loss_fn) -> dict:
 def test_a_failing_kernel_gives_one_warning_and_the_torch_path_from_then_on(monkeypatch, caplog, failing):
     x = _inputs()
     options = RowLossOptions((0.3, 0.9, 1.8), BLOCK, None, 0.7, 6.0, CHUNK)
+    monkeypatch.setattr(fused_check, "_slow_paths", {})
     monkeypatch.setattr(dspark_rows, "fused_dspark_runs_on", lambda device: False)
     expected = _loss_and_grads(x, options, dspark_row_loss)
     monkeypatch.setattr(dspark_rows, "_fused_error", None)
@@ -225,6 +226,7 @@ def test_a_failing_kernel_gives_one_warning_and_the_torch_path_from_then_on(monk
     assert calls == [1]  # three chunks a step: the first failed, the rest ran the torch path
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "RuntimeError: no GPU to compile for" in warnings[0], warnings
+    assert fused_check.slow_paths() == {"DSpark's fused loss kernels": "RuntimeError: no GPU to compile for"}
     for name, value in expected.items():  # the same torch path: the same bits (w2's counted once)
         assert torch.equal(got[name], value), name
 

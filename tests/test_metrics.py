@@ -75,3 +75,16 @@ def test_the_progress_line_shows_tokens_per_second_and_the_peak_memory(tmp_path,
     metrics.log(_record(10, tokens_per_s=12345.0, peak_memory_gib=40.31))
     metrics.close()
     assert "12345 tokens/s" in lines[-1] and "peak 40.3 GiB" in lines[-1]
+
+
+def test_the_progress_line_names_a_slow_path(tmp_path, monkeypatch):
+    """A fused loss path that turned itself off (objective/fused_check.py) shows on every progress
+    line, not only in the rank log's one warning."""
+    lines = []
+    monkeypatch.setattr("dflash_mp.run.metrics.get_logger", lambda: type("L", (), {"info": lines.append})())
+    metrics = _logger(tmp_path)
+    metrics.log(_record(10))
+    metrics.log(_record(20, slow_paths="XPress's fused loss kernels"))
+    metrics.close()
+    assert "SLOW" not in lines[0]
+    assert "SLOW: XPress's fused loss kernels on the torch path" in lines[1]

@@ -375,3 +375,18 @@ def test_a_stop_asked_of_one_drafter_is_agreed_by_all_in_the_optimizer_step():
         results = manager.dict()
         spawn_pool.start_processes(_stop_vote, args=(port, results), nprocs=2)
         assert dict(results) == {0: True, 1: True}
+
+
+def test_a_slow_path_is_in_every_step_record(monkeypatch):
+    """A fused loss path that turned itself off (objective/fused_check.py) rides in each metrics
+    record for the progress line; a run without one has no such field."""
+    from dflash_mp.objective import fused_check
+
+    cfg = to_dataclass(compose_config(["train.max_steps=2"]))
+    trainer = DrafterTrainer(cfg, torch.device("cpu"), total_steps=2)
+    monkeypatch.setattr(fused_check, "_slow_paths", {})
+    trainer.micro_step(_micro_batch(cfg), last_of_step=True)
+    assert "slow_paths" not in trainer.optimizer_step()
+    monkeypatch.setattr(fused_check, "_slow_paths", {"XPress's fused loss kernels": "why"})
+    trainer.micro_step(_micro_batch(cfg), last_of_step=True)
+    assert trainer.optimizer_step()["slow_paths"] == "XPress's fused loss kernels"

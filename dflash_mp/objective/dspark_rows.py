@@ -63,12 +63,13 @@ from dflash_mp.kernels.fused_dspark import (
 )
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.objective.autocast_operands import add_product_, in_autocast_dtype
-from dflash_mp.objective.fused_check import disagreement
+from dflash_mp.objective.fused_check import disagreement, turn_off
 from dflash_mp.objective.position_weights import dpace_weights
 
 _log = logging.getLogger(__name__)
 _fused_error: str | None = None  # the fused kernels' first error: the torch path from then on
 _fused_checked = False  # whether the process's first fused chunk was compared with the torch path
+_NAME = "DSpark's fused loss kernels"
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,7 @@ def _checked_fused_chunk(
     problem = disagreement(pairs)
     if problem is not None:
         _fused_error = problem
-        _log.warning("DSpark's fused loss kernels are off, the torch path from now on: %s", _fused_error)
+        turn_off(_NAME, problem, _log)
     return result
 
 
@@ -233,7 +234,7 @@ def _guarded(call, *args):
         raise
     except Exception as error:  # the torch path gives the same numbers, slower
         _fused_error = f"{type(error).__name__}: {error}"
-        _log.warning("DSpark's fused loss kernels failed, the torch path from now on (%s)", _fused_error)
+        turn_off(_NAME, _fused_error, _log)
         return None
 
 

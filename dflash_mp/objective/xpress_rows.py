@@ -40,7 +40,7 @@ from dflash_mp.kernels.fused_dspark import fused_dspark_runs_on
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.models.xpress import XPressRefiner, previous_tokens
 from dflash_mp.objective.autocast_operands import add_product_, in_autocast_dtype
-from dflash_mp.objective.fused_check import disagreement
+from dflash_mp.objective.fused_check import disagreement, turn_off
 from dflash_mp.objective.position_weights import dpace_weights
 from dflash_mp.objective.xpress_vocabulary import FusedVocabulary, TorchVocabulary
 
@@ -213,7 +213,7 @@ def _first_fused_chunk_checked(args: tuple, grads: _Grads | None) -> tuple[Tenso
         problem = disagreement(pairs)
     if problem is not None:
         _fused_error = problem
-        _log.warning("XPress's fused loss kernels are off, the torch path from now on: %s", problem)
+        turn_off("XPress's fused loss kernels", problem, _log)
     return result
 
 

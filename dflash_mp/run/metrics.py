@@ -127,6 +127,8 @@ class MetricsLogger:
         )
         if "peak_memory_gib" in record:
             line += f" peak {record['peak_memory_gib']:.1f} GiB"
+        if record.get("slow_paths"):  # fused kernels turned off (their warning is in the rank's log)
+            line += f" SLOW: {record['slow_paths']} on the torch path"
         if sys.stderr.isatty():
             print(
                 "\r" + line,

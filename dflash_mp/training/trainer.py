@@ -27,6 +27,7 @@ from dflash_mp.models.target_structure import load_embedding_and_head
 from dflash_mp.objective.block_diffusion import drafter_loss, loss_blocks
 from dflash_mp.objective.draft_blocks import DraftBlocks
 from dflash_mp.objective.dspark_loss import dspark_metrics, loss_weights
+from dflash_mp.objective.fused_check import slow_paths
 from dflash_mp.objective.lm_head_loss import per_position_accuracy
 from dflash_mp.objective.position_weights import dpace_alpha_of
 from dflash_mp.objective.selector_loss import selector_metrics
@@ -321,6 +322,8 @@ class DrafterTrainer:
         }
         if self.device.type == "cuda":  # this rank's high-water mark: long rows live or die by it
             record["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if slow := slow_paths():  # a fused path that turned itself off: the run is slower for it
+            record["slow_paths"] = "; ".join(sorted(slow))
         if self.drafter.arch == "dflash2":
             record.update(selector_metrics(host.selector, host.count, host.scored))
         if self.drafter.arch == "xpress":
