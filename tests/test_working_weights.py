@@ -97,42 +97,56 @@ def test_evaluation_computes_with_the_masters() -> None:
 
 def _data_parallel(rank: int, port: int, grad_accums: tuple[int, ...], results) -> None:
     import os
+    import traceback
 
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    # The trainers' DDP reducers are freed while the group and the peer are alive (with the
+    # checks' frame, or its traceback's): one freed after destroy_process_group can hang in the
+    # gloo group's destructor (its thread join) once the peer has exited.
     try:
-        for grad_accum in grad_accums:
-            working, reference = _trainers(grad_accum, group=dist.group.WORLD)
-            batch = _micro_batch(working.cfg)
-            # Different data per drafter, so the all-reduce has something to average.
-            if rank == 1:
-                batch = type(batch)(**{**vars(batch), "sample_ids": batch.sample_ids + 7})
-            for _ in range(2):
-                ours, theirs = _step(working, [batch] * grad_accum), _step(reference, [batch] * grad_accum)
-                assert ours["grad_norm"] == theirs["grad_norm"]
-            _assert_same_training(working, reference)
-            results[rank, grad_accum] = True
-        # optim=muon (training/muon.py): both drafters take the same update from the all-reduced
-        # gradients, with working weights as with fp32 ones.
-        working, reference = _trainers(2, group=dist.group.WORLD, optim="muon")
+        _data_parallel_checks(rank, grad_accums, results)
+        dist.barrier()
+    except BaseException as error:
+        traceback.clear_frames(error.__traceback__)
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _data_parallel_checks(rank: int, grad_accums: tuple[int, ...], results) -> None:
+    import torch.distributed as dist
+
+    for grad_accum in grad_accums:
+        working, reference = _trainers(grad_accum, group=dist.group.WORLD)
         batch = _micro_batch(working.cfg)
+        # Different data per drafter, so the all-reduce has something to average.
         if rank == 1:
             batch = type(batch)(**{**vars(batch), "sample_ids": batch.sample_ids + 7})
         for _ in range(2):
-            ours, theirs = _step(working, [batch] * 2), _step(reference, [batch] * 2)
-            assert ours["loss"] == theirs["loss"] and ours["grad_norm"] == theirs["grad_norm"]
-        weights = torch.cat([p.detach().flatten() for p in working.drafter.state_dict().values()])
-        gathered = [torch.empty_like(weights) for _ in range(2)]
-        dist.all_gather(gathered, weights)
-        assert torch.equal(gathered[0], gathered[1])  # the drafters stay identical
-        ours_state, theirs_state = working.training_state(), reference.training_state()
-        for name, value in theirs_state.model.items():
-            assert torch.equal(ours_state.model[name], value), name
-        results[rank, "muon"] = True
-    finally:
-        dist.destroy_process_group()
+            ours, theirs = _step(working, [batch] * grad_accum), _step(reference, [batch] * grad_accum)
+            assert ours["grad_norm"] == theirs["grad_norm"]
+        _assert_same_training(working, reference)
+        results[rank, grad_accum] = True
+    # optim=muon (training/muon.py): both drafters take the same update from the all-reduced
+    # gradients, with working weights as with fp32 ones.
+    working, reference = _trainers(2, group=dist.group.WORLD, optim="muon")
+    batch = _micro_batch(working.cfg)
+    if rank == 1:
+        batch = type(batch)(**{**vars(batch), "sample_ids": batch.sample_ids + 7})
+    for _ in range(2):
+        ours, theirs = _step(working, [batch] * 2), _step(reference, [batch] * 2)
+        assert ours["loss"] == theirs["loss"] and ours["grad_norm"] == theirs["grad_norm"]
+    weights = torch.cat([p.detach().flatten() for p in working.drafter.state_dict().values()])
+    gathered = [torch.empty_like(weights) for _ in range(2)]
+    dist.all_gather(gathered, weights)
+    assert torch.equal(gathered[0], gathered[1])  # the drafters stay identical
+    ours_state, theirs_state = working.training_state(), reference.training_state()
+    for name, value in theirs_state.model.items():
+        assert torch.equal(ours_state.model[name], value), name
+    results[rank, "muon"] = True
 
 
 def test_data_parallel_drafters_reduce_working_gradients_in_fp32() -> None:
