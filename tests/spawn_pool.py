@@ -61,3 +61,25 @@ def manager() -> Any:
     """A started multiprocessing Manager (its shared dicts reach the children), itself a fork of the
     forkserver rather than of the test process."""
     return context().Manager()
+
+
+def in_gloo_group(rank: int, world_size: int, port: int, checks, *args) -> None:
+    """`checks(rank, *args)` in a gloo group of `world_size` children on 127.0.0.1:`port`, what
+    it made freed while the group and the peers live: a DDP reducer freed after
+    destroy_process_group can hang in the gloo group's destructor (its thread join) once a peer
+    has exited. So the checks run in their own frame (on failure, their traceback's frames are
+    cleared), then a barrier, then the group goes."""
+    import traceback
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        checks(rank, *args)
+        dist.barrier()
+    except BaseException as error:
+        traceback.clear_frames(error.__traceback__)
+        raise
+    finally:
+        dist.destroy_process_group()

@@ -343,24 +343,17 @@ def test_the_step_is_adamw_on_the_clipped_gradient(grad_clip, device):
         assert all(torch.equal(p.detach(), m.bfloat16()) for p, m in trainer.working.master_of.items())
 
 
-def _stop_vote(rank: int, port: int, results) -> None:
-    import os
-
+def _stop_vote(rank: int, results) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        cfg = to_dataclass(compose_config(["train.max_steps=4"]))
-        # Only rank 1 is asked to stop; the step's one all-reduce must make both stop together.
-        trainer = DrafterTrainer(
-            cfg, torch.device("cpu"), 4, group=dist.group.WORLD, stop_requested=lambda: rank == 1
-        )
-        trainer.micro_step(_micro_batch(cfg), last_of_step=True)
-        trainer.optimizer_step()
-        results[rank] = trainer.stop_agreed
-    finally:
-        dist.destroy_process_group()
+    cfg = to_dataclass(compose_config(["train.max_steps=4"]))
+    # Only rank 1 is asked to stop; the step's one all-reduce must make both stop together.
+    trainer = DrafterTrainer(
+        cfg, torch.device("cpu"), 4, group=dist.group.WORLD, stop_requested=lambda: rank == 1
+    )
+    trainer.micro_step(_micro_batch(cfg), last_of_step=True)
+    trainer.optimizer_step()
+    results[rank] = trainer.stop_agreed
 
 
 def test_a_stop_asked_of_one_drafter_is_agreed_by_all_in_the_optimizer_step():
@@ -373,7 +366,7 @@ def test_a_stop_asked_of_one_drafter_is_agreed_by_all_in_the_optimizer_step():
         port = probe.getsockname()[1]
     with spawn_pool.manager() as manager:
         results = manager.dict()
-        spawn_pool.start_processes(_stop_vote, args=(port, results), nprocs=2)
+        spawn_pool.start_processes(spawn_pool.in_gloo_group, args=(2, port, _stop_vote, results), nprocs=2)
         assert dict(results) == {0: True, 1: True}
 
 

@@ -95,28 +95,7 @@ def test_evaluation_computes_with_the_masters() -> None:
         assert torch.equal(ours, reference.drafter.fc(features))
 
 
-def _data_parallel(rank: int, port: int, grad_accums: tuple[int, ...], results) -> None:
-    import os
-    import traceback
-
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    # The trainers' DDP reducers are freed while the group and the peer are alive (with the
-    # checks' frame, or its traceback's): one freed after destroy_process_group can hang in the
-    # gloo group's destructor (its thread join) once the peer has exited.
-    try:
-        _data_parallel_checks(rank, grad_accums, results)
-        dist.barrier()
-    except BaseException as error:
-        traceback.clear_frames(error.__traceback__)
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _data_parallel_checks(rank: int, grad_accums: tuple[int, ...], results) -> None:
+def _data_parallel(rank: int, grad_accums: tuple[int, ...], results) -> None:
     import torch.distributed as dist
 
     for grad_accum in grad_accums:
@@ -157,6 +136,8 @@ def test_data_parallel_drafters_reduce_working_gradients_in_fp32() -> None:
         port = probe.getsockname()[1]
     with spawn_pool.manager() as manager:
         results = manager.dict()
-        spawn_pool.start_processes(_data_parallel, args=(port, (1, 2), results), nprocs=2)
+        spawn_pool.start_processes(
+            spawn_pool.in_gloo_group, args=(2, port, _data_parallel, (1, 2), results), nprocs=2
+        )
         expected = {(rank, accum): True for rank in (0, 1) for accum in (1, 2, "muon")}
         assert dict(results) == expected
