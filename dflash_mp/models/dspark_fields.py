@@ -42,10 +42,10 @@ def dspark_field_problems(fields: dict[str, Any]) -> list[str]:
     return problems
 
 
-# One chunk's [rows, V] fp32 tensor stays under this many elements (512 MiB), and under this many rows.
-# At Qwen3-8B's vocabulary that is 880 rows (55 blocks of 16): the chunk's skinny [rows, V] @ [V, r]
-# products fill more of the GPU than at half the size, ~4 ms (DSpark) and ~10 ms (XPress) a step
-# faster on an H100 for ~1.9 GB more (BENCHMARKS.md "Drafter heads").
+# One chunk's [rows, V] fp32 tensor stays under this many elements (512 MiB), and under this many rows
+# (train.vocabulary_chunk_rows sets another). At Qwen3-8B's vocabulary that is 880 rows (55 blocks of
+# 16), measured ~4 ms (DSpark) and ~10 ms (XPress) a step faster on an H100 than half as many, for
+# ~1.9 GB more (BENCHMARKS.md "Drafter heads").
 DSPARK_CHUNK_ELEMENTS = 1 << 27
 DSPARK_CHUNK_MAX_ROWS = 2048
 

@@ -47,6 +47,7 @@ from dflash_mp.objective.xpress_vocabulary import FusedVocabulary, TorchVocabula
 _log = logging.getLogger(__name__)
 _fused_error: str | None = None  # the kernels' first error: the torch path from then on
 _fused_tried = False  # whether the process's first fused chunk was checked
+_NAME = "XPress's fused loss kernels"
 DENOMINATOR_EPS = 1e-8  # the reference's `_hard_label_ce`
 
 
@@ -213,7 +214,7 @@ def _first_fused_chunk_checked(args: tuple, grads: _Grads | None) -> tuple[Tenso
         problem = disagreement(pairs)
     if problem is not None:
         _fused_error = problem
-        turn_off("XPress's fused loss kernels", problem, _log)
+        turn_off(_NAME, problem, _log)
     return result
 
 
