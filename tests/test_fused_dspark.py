@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dflash_mp.kernels import fused_dspark
-from dflash_mp.kernels.fused_dspark import ChunkLogits
+from dflash_mp.kernels.row_statistics import ChunkLogits
 from dflash_mp.objective import dspark_rows, fused_check
 from dflash_mp.objective.dspark_rows import RowLossOptions, dspark_row_loss, term_row_weights
 from tests.test_dspark_rows import BLOCK, CHUNK, _inputs, _reference_row_loss

@@ -25,6 +25,7 @@ KERNEL_TESTS = (
     "test_fused_dspark.py",
     "test_streaming_adamw.py",
     "test_grouped_conv.py",
+    "test_row_statistics.py",
     "test_top_k.py",
     "test_weighted_rows.py",
     "test_xpress_fused.py",

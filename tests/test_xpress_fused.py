@@ -20,16 +20,20 @@ def test_the_fused_passes_equal_the_torch_path(monkeypatch) -> None:
     weights = XPressWeights(0.3, 3, 0.6, base_anchor_full_weight=True, dpace_alpha=0.4)
     monkeypatch.setattr(xpress_rows, "_fused_tried", True)  # no first-chunk guard: a failure fails
     calls = []
-    terms = xpress_vocabulary.dspark_terms
+    for name in ("row_statistics", "ce_with_base"):
+        kernel = getattr(xpress_vocabulary, name)
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return terms(*args, **kwargs)
+        def counted(*args, kernel=kernel, name=name, **kwargs):
+            calls.append(name)
+            return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(xpress_vocabulary, "dspark_terms", counted)
+        monkeypatch.setattr(xpress_vocabulary, name, counted)
     monkeypatch.setattr(xpress_rows, "fused_dspark_runs_on", lambda device: True)
     loss, stats, grads = _run(weights, chunk_blocks=CHUNK, device=DEVICE)
-    assert calls  # the kernels ran
+    # The kernels ran: per chunk, the teacher-forced pass with the base anchor, then each round.
+    per_chunk = ["ce_with_base"] + ["row_statistics"] * weights.consistency_passes
+    chunks = len(calls) // len(per_chunk)
+    assert chunks > 1 and calls == per_chunk * chunks
     monkeypatch.setattr(xpress_rows, "fused_dspark_runs_on", lambda device: False)
     calls.clear()
     ref_loss, ref_stats, ref_grads = _run(weights, chunk_blocks=CHUNK, device=DEVICE)

@@ -11,8 +11,8 @@ m_v = 1 where q_v < p_v, 1/2 at a tie (torch.minimum's backward), else 0. The pe
 [m, 3] need every row's terms first (D-PACE weighs a term by its values over the block), and
 KL, TV and Q_S need both log-normalisers, so three reads of the logits are the least:
 
-1. `_row_statistics`: per row and column segment, the online max and sum of exponentials of z and
-   t, z's first maximum and its index, z[label]; the segments' partials are merged in torch.
+1. row_statistics.py: per row and column segment, the online max and sum of exponentials of z and
+   t, z's first maximum and its index, z[label]; one more launch merges the segments.
 2. `_row_divergence`: per row and segment, with log q = z - lse(z) and log p = t - lse(t), the
    sums of p (log p - log q), min(p, q) and q m_v; summed in torch.
 3. `_gradient`: per row and tile, dz over the Markov bias's buffer (its dtype: what the Markov
@@ -29,75 +29,31 @@ logits and of the bias then differ): 7 without the Markov head, 10 with it; 3 an
 teacher. At Qwen3-8B's shape (8192 rows a step, V = 151936, bf16: 2.5 GB a unit) 25 GB a step with
 the Markov head, ~8.5 ms at 3 TB/s, against ~29 eager fp32 passes in the torch path (not yet measured).
 
-Column segments split a row over several programs in passes 1 and 2: a chunk has few rows (880 at
-Qwen3's vocabulary), too few programs to fill the GPU one row each. Untuned: the tile and segment
-sizes are fused_ce.py's tile and a guess, to be measured on the device.
+Column segments split a row over several programs in passes 1 and 2 (row_statistics.py's reason).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
+
+from dflash_mp.kernels.row_statistics import (
+    _SEGMENT_TILES,
+    _TILE,
+    ChunkLogits,
+    ChunkStatistics,
+    kernel_arguments,
+    row_statistics,
+)
 
 try:  # Triton ships with CUDA builds of torch; elsewhere dspark_rows takes its torch path.
     import triton
     import triton.language as tl
 
     from dflash_mp.kernels.fused_ce import scaled_tile  # the logits as both losses read them
+    from dflash_mp.kernels.row_statistics import _draft_logits
 except ImportError:  # pragma: no cover - depends on the torch build
     triton = None
-
-_TILE = 4096  # columns per loop iteration (passes 1, 2) and per program (pass 3), as fused_ce.py
-_SEGMENT_TILES = 8  # tiles per segment of a row in passes 1 and 2: 5 segments at vocab 151936
-
-
-def fused_dspark_runs_on(device: torch.device) -> bool:
-    """Whether `dspark_terms` and `dspark_grad_in_place` run on `device` (CUDA with Triton)."""
-    return triton is not None and device.type == "cuda"
-
-
-@dataclass(frozen=True)
-class ChunkLogits:
-    """One chunk's [m, V] matmul outputs (rows contiguous; any float dtypes) and how they scale."""
-
-    draft: Tensor  # hidden @ head.T, before scaling
-    bias: Tensor | None  # the Markov bias, added after scaling (None: no Markov head)
-    teacher: Tensor | None  # teacher @ head.T, before scaling (None: CE only)
-    labels: Tensor  # [m]
-    multiplier: float = 1.0
-    softcap: float | None = None
-
-
-@dataclass(frozen=True)
-class ChunkStatistics:
-    """What the gradient pass reads besides the logits: fp32 [m] log-normalisers and Q_S."""
-
-    draft_lse: Tensor
-    teacher_lse: Tensor | None
-    accepted: Tensor | None  # Q_S = sum_v q_v m_v
-    argmax: Tensor | None = None  # [m] int64: z's first maximum (XPress's next Jacobi guess)
-
-
-def _shared(x: ChunkLogits, tile: int) -> tuple[tuple, dict]:
-    """The kernels' common arguments: pointers, sizes, strides, scaling, and their constexprs."""
-    tensors = [x.draft, x.bias, x.teacher]
-    for tensor in tensors:
-        if tensor is not None and (tensor.shape != x.draft.shape or tensor.stride(-1) != 1):
-            raise ValueError(f"fused DSpark: logits {tuple(tensor.shape)} of strides {tensor.stride()}")
-    capped = x.softcap is not None and x.softcap > 0
-    pointers = [x.draft if tensor is None else tensor for tensor in tensors]  # absent: never read
-    strides = [0 if tensor is None else tensor.stride(0) for tensor in tensors]
-    args = (*pointers, x.draft.shape[1], *strides, float(x.multiplier), float(x.softcap) if capped else 1.0)
-    flags = {"SOFTCAP": capped, "BIAS": x.bias is not None, "TEACHER": x.teacher is not None, "TILE": tile}
-    return args, flags
-
-
-def _merged_log_normaliser(maxima: Tensor, sums: Tensor) -> Tensor:
-    """lse [m] from the segments' running maxima and sums of exp(x - max) [m, S]."""
-    top = maxima.amax(1, keepdim=True)
-    return (top + (sums * torch.exp(maxima - top)).sum(1, keepdim=True).log())[:, 0]
 
 
 def dspark_terms(
@@ -110,30 +66,20 @@ def dspark_terms(
     if rows == 0:
         empty = torch.empty(0, dtype=torch.float32, device=device)
         return empty.view(0, 3), empty.bool(), ChunkStatistics(empty, None, None, empty.long())
-    args, flags = _shared(x, tile)
+    terms, correct, stats, _ = row_statistics(x, False, tile, segment_tiles)
+    if x.teacher is None:
+        return terms, correct, stats
+    args, flags = kernel_arguments(x, tile)
     segment_columns = tile * segment_tiles
     segments = triton.cdiv(vocab, segment_columns)
-    parts = torch.empty(rows, segments, 5, dtype=torch.float32, device=device)
-    best_at = torch.empty(rows, segments, dtype=torch.int32, device=device)
-    label_logit = torch.empty(rows, dtype=torch.float32, device=device)
-    labels = x.labels.contiguous()
-    terms = torch.zeros(rows, 3, dtype=torch.float32, device=device)
-    grid = (rows, segments)
-    _row_statistics[grid](*args, labels, parts, best_at, label_logit, segment_columns, **flags, num_warps=8)
-    draft_lse = _merged_log_normaliser(parts[..., 0], parts[..., 1])
-    top = parts[..., 4].amax(1, keepdim=True)  # z's first maximum: the lowest index holding it
-    first = torch.where(parts[..., 4] == top, best_at, vocab).amin(1).long()
-    correct = first == labels
-    terms[:, 0] = draft_lse - label_logit
-    if x.teacher is None:
-        return terms, correct, ChunkStatistics(draft_lse, None, None, first)
-    teacher_lse = _merged_log_normaliser(parts[..., 2], parts[..., 3])
     sums = torch.empty(rows, segments, 3, dtype=torch.float32, device=device)
+    grid = (rows, segments)
+    draft_lse, teacher_lse = stats.draft_lse, stats.teacher_lse
     _row_divergence[grid](*args, draft_lse, teacher_lse, sums, segment_columns, **flags, num_warps=8)
     kl, overlap, accepted = sums.sum(1).unbind(-1)
     terms[:, 1] = kl
     terms[:, 2] = 1.0 - overlap
-    return terms, correct, ChunkStatistics(draft_lse, teacher_lse, accepted.contiguous(), first)
+    return terms, correct, ChunkStatistics(draft_lse, teacher_lse, accepted.contiguous(), stats.argmax)
 
 
 def dspark_grad_in_place(
@@ -156,7 +102,7 @@ def dspark_grad_in_place(
         return draft, draft
     rows, vocab = x.draft.shape
     if rows and (draft_grad or bias_grad):
-        args, flags = _shared(x, tile)
+        args, flags = kernel_arguments(x, tile)
         lse = stats.draft_lse
         teacher_lse = lse if stats.teacher_lse is None else stats.teacher_lse  # never read then
         accepted = lse if stats.accepted is None else stats.accepted
@@ -169,68 +115,6 @@ def dspark_grad_in_place(
 
 
 if triton is not None:
-
-    @triton.jit
-    def _draft_logits(draft_row, bias_row, index, inside, multiplier, cap, SOFTCAP, BIAS):
-        """(z = scale(raw) + bias in fp32, tanh for scale's derivative, raw as loaded)."""
-        raw = tl.load(draft_row + index, mask=inside, other=0.0)
-        z, tanh = scaled_tile(raw, multiplier, cap, SOFTCAP)
-        if BIAS:
-            z += tl.load(bias_row + index, mask=inside, other=0.0).to(tl.float32)
-        return z, tanh, raw
-
-    @triton.jit
-    def _online(running_max, running_sum, x):
-        """The running max and sum of exp(x - max) after a tile x (-inf outside the row)."""
-        new_max = tl.maximum(running_max, tl.max(x, 0))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
-        return new_max, running_sum
-
-    @triton.jit
-    def _row_statistics(
-        draft_ptr, bias_ptr, teacher_ptr, vocab, draft_stride, bias_stride, teacher_stride,
-        multiplier, cap, labels_ptr, parts_ptr, best_at_ptr, label_logit_ptr, segment_columns,
-        SOFTCAP: tl.constexpr, BIAS: tl.constexpr, TEACHER: tl.constexpr, TILE: tl.constexpr,
-    ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        segment = tl.program_id(1)
-        low = segment * segment_columns
-        high = tl.minimum(low + segment_columns, vocab)
-        draft_row = draft_ptr + row * draft_stride
-        bias_row = bias_ptr + row * bias_stride
-        teacher_row = teacher_ptr + row * teacher_stride
-        columns = tl.arange(0, TILE)
-        z_max = tl.max(tl.full([TILE], float("-inf"), tl.float32), 0)
-        z_sum = tl.sum(tl.zeros([TILE], tl.float32), 0)
-        t_max, t_sum = z_max, z_sum
-        best = tl.full([TILE], float("-inf"), tl.float32)  # per lane: the first maximum it saw
-        best_at = tl.zeros([TILE], tl.int32)
-        for start in range(low, high, TILE):
-            index = start + columns
-            inside = index < high
-            z, _, _ = _draft_logits(draft_row, bias_row, index, inside, multiplier, cap, SOFTCAP, BIAS)
-            z = tl.where(inside, z, float("-inf"))
-            better = z > best  # strict: a lane keeps its earliest maximum
-            best = tl.where(better, z, best)
-            best_at = tl.where(better, index, best_at)
-            z_max, z_sum = _online(z_max, z_sum, z)
-            if TEACHER:
-                t, _ = scaled_tile(
-                    tl.load(teacher_row + index, mask=inside, other=0.0), multiplier, cap, SOFTCAP
-                )
-                t_max, t_sum = _online(t_max, t_sum, tl.where(inside, t, float("-inf")))
-        top = tl.max(best, 0)
-        out = parts_ptr + (row * tl.num_programs(1) + segment) * 5
-        tl.store(out, z_max)
-        tl.store(out + 1, z_sum)
-        tl.store(out + 2, t_max)
-        tl.store(out + 3, t_sum)
-        tl.store(out + 4, top)
-        first_top = tl.min(tl.where(best == top, best_at, vocab), 0)  # the earliest lane's, as argmax
-        tl.store(best_at_ptr + row * tl.num_programs(1) + segment, first_top)
-        label = tl.load(labels_ptr + row)
-        label_logit, _, _ = _draft_logits(draft_row, bias_row, label, True, multiplier, cap, SOFTCAP, BIAS)
-        tl.store(label_logit_ptr + row, label_logit, mask=segment == 0)
 
     @triton.jit
     def _probabilities(z, t, lse, teacher_lse):

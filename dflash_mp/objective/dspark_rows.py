@@ -55,12 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_mp.kernels.fused_dspark import (
-    ChunkLogits,
-    dspark_grad_in_place,
-    dspark_terms,
-    fused_dspark_runs_on,
-)
+from dflash_mp.kernels.fused_dspark import dspark_grad_in_place, dspark_terms
+from dflash_mp.kernels.row_statistics import ChunkLogits, fused_dspark_runs_on
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.objective.autocast_operands import add_product_, in_autocast_dtype
 from dflash_mp.objective.fused_check import disagreement, turn_off

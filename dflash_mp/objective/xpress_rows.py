@@ -17,8 +17,9 @@ to the hidden cache, whose own backward (down_h, down_g) autograd takes outside.
 tensors are neither kept nor recomputed: against `xpress_terms` under checkpointing, one head
 matmul per chunk instead of four, no fp32 log-softmax saved per pass, no second forward.
 
-Vocabulary work: on CUDA with Triton, each pass's statistics (with the argmax) in fused_dspark.py's
-CE-only pass over the matmuls' bf16 outputs, then one fused_xpress.py pass for all of a chunk's
+Vocabulary work: on CUDA with Triton, each pass's statistics (with the argmax) in row_statistics.py's
+pass over the matmuls' bf16 outputs (the base anchor's with the teacher-forced pass's, from one read
+of the raw logits), then one fused_xpress.py pass for all of a chunk's
 passes, which writes each biased pass's dz over its bias and the raw logits' gradient over them;
 elsewhere, or once the process's first fused chunk failed its check (fused_check.py), torch ops on
 fp32 copies. Memory per chunk: the head's raw logits and each pass's bias, then its dz, in the
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_mp.kernels.fused_dspark import fused_dspark_runs_on
+from dflash_mp.kernels.row_statistics import fused_dspark_runs_on
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.models.xpress import XPressRefiner, previous_tokens
 from dflash_mp.objective.autocast_operands import add_product_, in_autocast_dtype
@@ -138,7 +139,6 @@ def _chunk(
     blocks, block_size = targets.labels.shape
     raw = F.linear(hidden, head)  # the fused gradient pass writes over it: made here, per try
     vocab = kind(raw, targets.labels.flatten(), opts)
-    base_ce, guess, base_state = vocab.statistics(None)
     passes = opts.pass_weights()
     biased = 1 + opts.rounds  # the passes with a bias: the teacher-forced one and the rounds
     # Each pass's bias, then its dz over it: one sum of the dz and one readout matmul per chunk.
@@ -148,7 +148,7 @@ def _chunk(
     chunk_cache = cache.view(blocks, block_size, -1)
     weighted, prevs, flats = [], [], []
     prev = previous_tokens(targets.labels, targets.before_anchor)  # the teacher-forced pass's
-    correct = None
+    correct = guess = base_ce = base_state = None
     for index in range(biased):
         if index:  # a Jacobi round on the previous round's argmax (the first: z_0's)
             guess = guess.view(blocks, block_size).clone()
@@ -157,11 +157,11 @@ def _chunk(
         with torch.no_grad():  # its gradient: `take_latent_gradients`, once for all passes
             flat = refiner.latent(prev, chunk_cache).flatten(0, 1).to(readout.dtype)
         bias = F.linear(flat, readout) if dz is None else torch.mm(flat, readout.t(), out=dz[index])
-        ce, argmax, state = vocab.statistics(bias)
-        if index == 0:
+        if index == 0:  # with the base anchor's (z_0 alone), whose argmax seeds the first round
+            (ce, argmax, state), (base_ce, guess, base_state) = vocab.statistics_with_base(bias)
             correct = (argmax.view(blocks, block_size) == targets.labels) & targets.mask
         else:
-            guess = argmax
+            ce, guess, state = vocab.statistics(bias)
         weights = _row_weights(ce.view(blocks, block_size), targets, passes[index][1], opts.dpace_alpha)
         weighted.append(ce.view(blocks, block_size) * weights)
         if dz is not None:

@@ -2,8 +2,8 @@
 each pass's statistics (CE, argmax) and, once every pass's row weights are known, the gradients:
 each biased pass's dz over its bias, and their sum through scale_logits' derivative for the raw
 logits. `TorchVocabulary` in torch ops on fp32 copies (every device), `FusedVocabulary` through the
-Triton kernels on the matmuls' outputs (CUDA: fused_dspark.py's statistics, fused_xpress.py's one
-gradient pass)."""
+Triton kernels on the matmuls' outputs (CUDA: row_statistics.py's statistics, the teacher-forced
+pass's with the base anchor's from one read, and fused_xpress.py's one gradient pass)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from dflash_mp.kernels.fused_dspark import ChunkLogits, dspark_terms
 from dflash_mp.kernels.fused_xpress import xpress_gradients_in_place
+from dflash_mp.kernels.row_statistics import ChunkLogits, ce_with_base, row_statistics
 from dflash_mp.models.drafter import scale_logits
 
 
@@ -41,6 +41,10 @@ class TorchVocabulary:
         z = self.base if bias is None else self.base + bias.float()
         lse = torch.logsumexp(z, dim=-1, keepdim=True)
         return (lse - z.gather(-1, self.labels))[:, 0], z.argmax(-1), (z, lse)
+
+    def statistics_with_base(self, bias: Tensor) -> tuple[tuple, tuple]:
+        """`statistics` of z_0 + bias and of z_0 alone (the base anchor)."""
+        return self.statistics(bias), self.statistics(None)
 
     def pass_gradient(self, index: int, state: tuple, c: Tensor, dz: Tensor) -> None:
         """dLoss/dz of biased pass `index` for row weights c [n] over its bias in dz (the pass's z
@@ -72,10 +76,17 @@ class FusedVocabulary:
         """The biased passes alone: the base anchor's dz is only summed, inside the kernel."""
         return biased
 
+    def _logits(self, bias: Tensor | None) -> ChunkLogits:
+        return ChunkLogits(self.raw, bias, None, self.labels, self.opts.multiplier, self.opts.softcap)
+
     def statistics(self, bias: Tensor | None) -> tuple[Tensor, Tensor, object]:
-        logits = ChunkLogits(self.raw, bias, None, self.labels, self.opts.multiplier, self.opts.softcap)
-        terms, _, stats = dspark_terms(logits)
+        terms, _, stats, _ = row_statistics(self._logits(bias))
         return terms[:, 0], stats.argmax, stats
+
+    def statistics_with_base(self, bias: Tensor) -> tuple[tuple, tuple]:
+        """Both from one read of the raw logits and the bias."""
+        biased, base = ce_with_base(self._logits(bias))
+        return (biased.ce, biased.stats.argmax, biased.stats), (base.ce, base.stats.argmax, base.stats)
 
     def pass_gradient(self, index: int, state, c: Tensor, dz: Tensor) -> None:
         """Kept for `raw_gradient`, which writes every biased pass's dz over its bias at once."""
