@@ -38,8 +38,6 @@ import torch
 from torch import Tensor
 
 from dflash_mp.kernels.row_statistics import (
-    _SEGMENT_TILES,
-    _TILE,
     ChunkLogits,
     ChunkStatistics,
     kernel_arguments,
@@ -55,12 +53,16 @@ try:  # Triton ships with CUDA builds of torch; elsewhere dspark_rows takes its 
 except ImportError:  # pragma: no cover - depends on the torch build
     triton = None
 
+_TILE = 4096  # columns per loop iteration (pass 2) and per program (pass 3), as fused_ce.py
+_SEGMENT_TILES = 8  # tiles per segment of a row in pass 2: 5 segments at vocab 151936
+
 
 def dspark_terms(
-    x: ChunkLogits, tile: int = _TILE, segment_tiles: int = _SEGMENT_TILES
+    x: ChunkLogits, tile: int | None = None, segment_tiles: int | None = None
 ) -> tuple[Tensor, Tensor, ChunkStatistics]:
     """(fp32 terms [m, 3]: CE, KL, TV (0 and 0 without a teacher), argmax(z) == label [m], what
-    `dspark_grad_in_place` reads): passes 1 and 2, the logits left as they are."""
+    `dspark_grad_in_place` reads): passes 1 and 2, the logits left as they are. A tile and segment
+    size given (tests) are both passes'; by default each pass takes its own."""
     rows, vocab = x.draft.shape
     device = x.draft.device
     if rows == 0:
@@ -69,6 +71,7 @@ def dspark_terms(
     terms, correct, stats, _ = row_statistics(x, False, tile, segment_tiles)
     if x.teacher is None:
         return terms, correct, stats
+    tile, segment_tiles = tile or _TILE, segment_tiles or _SEGMENT_TILES
     args, flags = kernel_arguments(x, tile)
     segment_columns = tile * segment_tiles
     segments = triton.cdiv(vocab, segment_columns)

@@ -27,8 +27,11 @@ try:  # Triton ships with CUDA builds of torch; elsewhere the losses take their 
 except ImportError:  # pragma: no cover - depends on the torch build
     triton = None
 
-_TILE = 4096  # columns per loop iteration (passes 1, 2) and per program (DSpark's pass 3)
-_SEGMENT_TILES = 8  # tiles per segment of a row in passes 1 and 2: 5 segments at vocab 151936
+# Measured on an H100 at [880, 151936] bf16 (bench/BENCHMARKS.md, "Drafter heads"): 1024-column
+# tiles in 16-tile segments (10 a row), 4 warps for one stream of logits and 8 for two, lanes
+# reduced once a segment, read the logits at ~2.9 TB/s, against ~2.4 at 4096 x 8 with 8 warps.
+_TILE = 1024  # columns per loop iteration
+_SEGMENT_TILES = 16  # tiles per segment of a row
 _MERGE_ROWS = 64  # rows per program of the segments' merge
 
 
@@ -82,17 +85,17 @@ class RowCE:
 
 
 def row_statistics(
-    x: ChunkLogits, base: bool = False, tile: int = _TILE, segment_tiles: int = _SEGMENT_TILES
+    x: ChunkLogits, base: bool = False, tile: int | None = None, segment_tiles: int | None = None
 ) -> tuple[Tensor, Tensor, ChunkStatistics, RowCE | None]:
     """(fp32 terms [m, 3] with the CE in column 0 (the others 0), argmax(z) == label [m], z's lse
     and argmax with the teacher's lse, the base's CE and statistics if `base`): two launches."""
     rows, vocab = x.draft.shape
     device = x.draft.device
-    args, flags = kernel_arguments(x, tile)
-    segment_columns = tile * segment_tiles
+    args, flags = kernel_arguments(x, tile or _TILE)
+    segment_columns = (tile or _TILE) * (segment_tiles or _SEGMENT_TILES)
     segments = triton.cdiv(vocab, segment_columns)
     second = x.teacher is not None or base
-    parts = torch.empty(rows, segments, 6, dtype=torch.float32, device=device)
+    parts = torch.empty(rows, segments, 4, dtype=torch.float32, device=device)
     best_at = torch.empty(rows, segments, 2, dtype=torch.int32, device=device)
     label_logits = torch.empty(rows, 2, dtype=torch.float32, device=device)
     labels = x.labels.contiguous()
@@ -103,7 +106,8 @@ def row_statistics(
     correct = torch.empty(rows, dtype=torch.bool, device=device)
     if rows:
         _row_statistics[(rows, segments)](
-            *args, labels, parts, best_at, label_logits, segment_columns, **flags, BASE=base, num_warps=8
+            *args, labels, parts, best_at, label_logits, segment_columns, **flags, BASE=base,
+            num_warps=8 if second else 4,
         )  # fmt: skip
         _merged_statistics[(triton.cdiv(rows, _MERGE_ROWS),)](
             parts, best_at, label_logits, labels, lse, first, terms, base_ce, correct, rows, segments,
@@ -116,7 +120,7 @@ def row_statistics(
 
 
 def ce_with_base(
-    x: ChunkLogits, tile: int = _TILE, segment_tiles: int = _SEGMENT_TILES
+    x: ChunkLogits, tile: int | None = None, segment_tiles: int | None = None
 ) -> tuple[RowCE, RowCE]:
     """The CE of z = scale(raw) + bias and of the base z_0 = scale(raw) alone (x has a bias and no
     teacher), from one read of raw and bias: XPress's teacher-forced pass and its base anchor."""
@@ -138,17 +142,20 @@ if triton is not None:
         return z, tanh, raw
 
     @triton.jit
-    def _online(running_max, running_sum, x):
-        """The running max and sum of exp(x - max) after a tile x (-inf outside the row)."""
-        new_max = tl.maximum(running_max, tl.max(x, 0))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
-        return new_max, running_sum
+    def _lane_online(lane_max, lane_sum, lane_first, x, index):
+        """Per lane, after a tile x (-inf outside the row): the running max, the sum of
+        exp(x - max), the column of the first maximum. Reduced once per segment, not per tile."""
+        new_max = tl.maximum(lane_max, x)
+        lane_first = tl.where(x > lane_max, index, lane_first)  # strict: a lane keeps its earliest
+        grown = lane_sum * tl.exp(lane_max - new_max) + tl.exp(x - new_max)
+        return new_max, tl.where(new_max == float("-inf"), 0.0, grown), lane_first
 
     @triton.jit
-    def _first_maximum(best, best_at, x, index):
-        """Per lane, the first maximum seen and its column, after a tile x (-inf outside the row)."""
-        better = x > best  # strict: a lane keeps its earliest maximum
-        return tl.where(better, x, best), tl.where(better, index, best_at)
+    def _segment(lane_max, lane_sum, lane_first, vocab):
+        """The segment's max, sum of exp(x - max) and first maximum's column from its lanes'."""
+        top = tl.max(lane_max, 0)
+        total = tl.sum(tl.where(lane_max == float("-inf"), 0.0, lane_sum * tl.exp(lane_max - top)), 0)
+        return top, total, tl.min(tl.where(lane_max == top, lane_first, vocab), 0)
 
     @triton.jit
     def _row_statistics(
@@ -157,8 +164,9 @@ if triton is not None:
         SOFTCAP: tl.constexpr, BIAS: tl.constexpr, TEACHER: tl.constexpr, TILE: tl.constexpr,
         BASE: tl.constexpr,
     ):  # fmt: skip
-        """Per row and segment: z's running max and sum, the teacher's (or with BASE those of z
-        without its bias, and that base's first maximum), z's first maximum; z[label] (and the base's)."""
+        """Per row and segment: z's max, sum of exp(z - max) and first maximum, the teacher's max
+        and sum (or with BASE those of z without its bias, with its first maximum); z[label] (and
+        the base's)."""
         row = tl.program_id(0).to(tl.int64)
         segment = tl.program_id(1)
         low = segment * segment_columns
@@ -167,12 +175,10 @@ if triton is not None:
         bias_row = bias_ptr + row * bias_stride
         teacher_row = teacher_ptr + row * teacher_stride
         columns = tl.arange(0, TILE)
-        z_max = tl.max(tl.full([TILE], float("-inf"), tl.float32), 0)
-        z_sum = tl.sum(tl.zeros([TILE], tl.float32), 0)
-        t_max, t_sum = z_max, z_sum
-        best = tl.full([TILE], float("-inf"), tl.float32)  # per lane: the first maximum it saw
-        best_at = tl.zeros([TILE], tl.int32)
-        t_best, t_best_at = best, best_at
+        z_max = tl.full([TILE], float("-inf"), tl.float32)
+        z_sum = tl.zeros([TILE], tl.float32)
+        z_first = tl.zeros([TILE], tl.int32)
+        t_max, t_sum, t_first = z_max, z_sum, z_first
         for start in range(low, high, TILE):
             index = start + columns
             inside = index < high
@@ -180,34 +186,35 @@ if triton is not None:
             z = x
             if BIAS:
                 z += tl.load(bias_row + index, mask=inside, other=0.0).to(tl.float32)
-            z = tl.where(inside, z, float("-inf"))
-            best, best_at = _first_maximum(best, best_at, z, index)
-            z_max, z_sum = _online(z_max, z_sum, z)
+            z_max, z_sum, z_first = _lane_online(
+                z_max, z_sum, z_first, tl.where(inside, z, float("-inf")), index
+            )
             if TEACHER:
                 t, _ = scaled_tile(
                     tl.load(teacher_row + index, mask=inside, other=0.0), multiplier, cap, SOFTCAP
                 )
-                t_max, t_sum = _online(t_max, t_sum, tl.where(inside, t, float("-inf")))
+                t_max, t_sum, t_first = _lane_online(
+                    t_max, t_sum, t_first, tl.where(inside, t, float("-inf")), index
+                )  # fmt: skip
             if BASE:
-                x = tl.where(inside, x, float("-inf"))
-                t_best, t_best_at = _first_maximum(t_best, t_best_at, x, index)
-                t_max, t_sum = _online(t_max, t_sum, x)
-        out = parts_ptr + (row * tl.num_programs(1) + segment) * 6
+                t_max, t_sum, t_first = _lane_online(
+                    t_max, t_sum, t_first, tl.where(inside, x, float("-inf")), index
+                )  # fmt: skip
+        out = parts_ptr + (row * tl.num_programs(1) + segment) * 4
         at = best_at_ptr + (row * tl.num_programs(1) + segment) * 2
-        top = tl.max(best, 0)
-        tl.store(out, z_max)
-        tl.store(out + 1, z_sum)
-        tl.store(out + 2, top)
-        tl.store(out + 3, t_max)
-        tl.store(out + 4, t_sum)
-        tl.store(at, tl.min(tl.where(best == top, best_at, vocab), 0))  # the earliest lane's, as argmax
+        top, total, first = _segment(z_max, z_sum, z_first, vocab)
+        tl.store(out, top)
+        tl.store(out + 1, total)
+        tl.store(at, first)
         label = tl.load(labels_ptr + row)
         label_logit, _, raw = _draft_logits(draft_row, bias_row, label, True, multiplier, cap, SOFTCAP, BIAS)
         tl.store(label_logit_ptr + row * 2, label_logit, mask=segment == 0)
+        if TEACHER or BASE:
+            top, total, first = _segment(t_max, t_sum, t_first, vocab)
+            tl.store(out + 2, top)
+            tl.store(out + 3, total)
+            tl.store(at + 1, first)
         if BASE:
-            t_top = tl.max(t_best, 0)
-            tl.store(out + 5, t_top)
-            tl.store(at + 1, tl.min(tl.where(t_best == t_top, t_best_at, vocab), 0))
             base_logit, _ = scaled_tile(raw, multiplier, cap, SOFTCAP)
             tl.store(label_logit_ptr + row * 2 + 1, base_logit, mask=segment == 0)
 
@@ -239,18 +246,18 @@ if triton is not None:
         live = row < rows
         valid = live[:, None] & (tl.arange(0, SEGMENTS)[None, :] < segments)
         cell = row[:, None].to(tl.int64) * segments + tl.arange(0, SEGMENTS)[None, :]
-        parts = parts_ptr + cell * 6
+        parts = parts_ptr + cell * 4
         lse = _merged_log_normaliser(parts, parts + 1, valid)
-        first = _merged_first_maximum(parts + 2, best_at_ptr + cell * 2, valid, vocab)
+        first = _merged_first_maximum(parts, best_at_ptr + cell * 2, valid, vocab)
         tl.store(lse_ptr + row, lse, mask=live)
         tl.store(first_ptr + row, first, mask=live)
         tl.store(terms_ptr + row * 3, lse - tl.load(label_logit_ptr + row * 2, mask=live), mask=live)
         tl.store(correct_ptr + row, first == tl.load(labels_ptr + row, mask=live), mask=live)
         if SECOND:
-            second_lse = _merged_log_normaliser(parts + 3, parts + 4, valid)
+            second_lse = _merged_log_normaliser(parts + 2, parts + 3, valid)
             tl.store(lse_ptr + rows + row, second_lse, mask=live)
             if BASE:
-                base_first = _merged_first_maximum(parts + 5, best_at_ptr + cell * 2 + 1, valid, vocab)
+                base_first = _merged_first_maximum(parts + 2, best_at_ptr + cell * 2 + 1, valid, vocab)
                 tl.store(first_ptr + rows + row, base_first, mask=live)
                 base_ce = second_lse - tl.load(label_logit_ptr + row * 2 + 1, mask=live)
                 tl.store(base_ce_ptr + row, base_ce, mask=live)
