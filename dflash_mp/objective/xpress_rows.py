@@ -84,6 +84,14 @@ class _Targets:
     before_anchor: Tensor
     mask: Tensor
     decay: Tensor
+    _fixed: dict[bool, Tensor] = field(default_factory=dict)
+
+    def fixed_weights(self, decayed: bool) -> Tensor:
+        """The weights without D-PACE: mask x decay, or the mask; made once a chunk, not a pass."""
+        if decayed not in self._fixed:
+            weight = self.mask.float()
+            self._fixed[decayed] = weight * self.decay.float() if decayed else weight
+        return self._fixed[decayed]
 
 
 def _fused_on(device: torch.device) -> bool:
@@ -94,8 +102,7 @@ def _row_weights(ce: Tensor, targets: _Targets, decayed: bool, dpace_alpha: floa
     """A pass's weights [n, Bs] of its CE [n, Bs], as `weighted_ce` takes them."""
     if decayed and dpace_alpha is not None:
         return dpace_weights(ce, targets.mask, dpace_alpha)
-    weight = targets.mask.float()
-    return weight * targets.decay.float() if decayed else weight
+    return targets.fixed_weights(decayed)
 
 
 @dataclass
