@@ -27,9 +27,9 @@ try:  # Triton ships with CUDA builds of torch; elsewhere the losses take their 
 except ImportError:  # pragma: no cover - depends on the torch build
     triton = None
 
-# Measured on an H100 at [880, 151936] bf16 (bench/BENCHMARKS.md, "Drafter heads"): 1024-column
-# tiles in 16-tile segments (10 a row), 4 warps for one stream of logits and 8 for two, lanes
-# reduced once a segment, read the logits at ~2.9 TB/s, against ~2.4 at 4096 x 8 with 8 warps.
+# The fastest of a sweep on an H100 at [880, 151936] bf16 (BENCHMARKS.md, "Drafter heads"): 1024-
+# column tiles in 16-tile segments (10 a row), 4 warps for one stream of logits and 8 for two; a
+# biased pass reads ~2.8 TB/s (bench/loss_passes.py), where 4096 x 8 with 8 warps read ~2.4.
 _TILE = 1024  # columns per loop iteration
 _SEGMENT_TILES = 16  # tiles per segment of a row
 _MERGE_ROWS = 64  # rows per program of the segments' merge
