@@ -423,3 +423,17 @@ def test_drafter_sections_alone_build_no_target_and_compare_with_a_drafter_ranks
     assert peak_memory_gib(merged)["drafter_only"]["predicted"] == 25.0  # no target: a drafter rank's
     merged["sections"]["setup"]["target"] = {}
     assert peak_memory_gib(merged)["drafter_only"]["predicted"] == 40.0  # the target resident too
+
+
+def test_the_predicted_memory_is_for_the_runs_vocabulary_chunk() -> None:
+    """The benchmark's prediction takes train.vocabulary_chunk_rows as the memory preflight does:
+    an XPress run at twice the default chunk predicts twice the chunk's memory."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from benchlib.shapes import SHAPES, bench_config, predicted_memory
+
+    shape, chunk = SHAPES["qwen3-8b"], {}
+    for extra in ([], ["train.vocabulary_chunk_rows=1760"]):  # the default: 880 rows at its vocabulary
+        cfg = bench_config(shape, torch.device("cpu"), 1, 1, ["model.arch=xpress", *extra])
+        phases = predicted_memory(shape, cfg, 1, 1)["drafter_rank"]["phases"]
+        chunk[len(extra)] = phases["drafter step"]["XPress vocabulary chunk"]
+    assert chunk[1] == pytest.approx(2 * chunk[0])

@@ -188,6 +188,7 @@ def predicted_memory(shape: Shape, cfg: RootConfig, drafters: int, world: int) -
         drafters=drafters,
         activation_checkpointing=tr.activation_checkpointing,
         **drafter_head_fields(m),
+        vocabulary_chunk_rows=tr.vocabulary_chunk_rows,
         teacher_layer=len(sent) > len(shape.layer_ids),
         target_parallel=t.target_parallel,
         max_inflight_sends=t.max_inflight_sends,
