@@ -67,7 +67,7 @@ def kernel_arguments(x: ChunkLogits, tile: int) -> tuple[tuple, dict]:
     tensors = [x.draft, x.bias, x.teacher]
     for tensor in tensors:
         if tensor is not None and (tensor.shape != x.draft.shape or tensor.stride(-1) != 1):
-            raise ValueError(f"fused DSpark: logits {tuple(tensor.shape)} of strides {tensor.stride()}")
+            raise ValueError(f"fused loss pass: logits {tuple(tensor.shape)} of strides {tensor.stride()}")
     capped = x.softcap is not None and x.softcap > 0
     pointers = [x.draft if tensor is None else tensor for tensor in tensors]  # absent: never read
     strides = [0 if tensor is None else tensor.stride(0) for tensor in tensors]
@@ -213,7 +213,7 @@ if triton is not None:
             top, total, first = _segment(t_max, t_sum, t_first, vocab)
             tl.store(out + 2, top)
             tl.store(out + 3, total)
-            tl.store(at + 1, first)
+            tl.store(at + 1, first)  # a teacher's: never read
         if BASE:
             base_logit, _ = scaled_tile(raw, multiplier, cap, SOFTCAP)
             tl.store(label_logit_ptr + row * 2 + 1, base_logit, mask=segment == 0)

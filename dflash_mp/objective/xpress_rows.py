@@ -19,13 +19,12 @@ matmul per chunk instead of four, no fp32 log-softmax saved per pass, no second 
 
 Vocabulary work: on CUDA with Triton, each pass's statistics (with the argmax) in row_statistics.py's
 pass over the matmuls' bf16 outputs (the base anchor's with the teacher-forced pass's, from one read
-of the raw logits), then one fused_xpress.py pass for all of a chunk's
-passes, which writes each biased pass's dz over its bias and the raw logits' gradient over them;
-elsewhere, or once the process's first fused chunk failed its check (fused_check.py), torch ops on
-fp32 copies. Memory per chunk: the head's raw logits and each pass's bias, then its dz, in the
-matmul dtype ([passes, rows, V]; the fused path keeps no slot for the base anchor, whose dz it only
-sums); the torch path adds the fp32 z_0 and one pass's fp32 z (plan/memory.py's
-`xpress_chunk_bytes`, `xpress_pass_bytes`).
+of the raw logits), then one fused_xpress.py pass for all of a chunk's passes, which writes each
+biased pass's dz over its bias and the raw logits' gradient over them; elsewhere, or once the
+process's first fused chunk failed its check (fused_check.py), torch ops on fp32 copies. Memory per
+chunk: the head's raw logits and each pass's bias, then its dz, in the matmul dtype ([passes, rows,
+V]; the fused path keeps no slot for the base anchor, whose dz it only sums); the torch path adds
+the fp32 z_0 and one pass's fp32 z (plan/memory.py's `xpress_chunk_bytes`, `xpress_pass_bytes`).
 """
 
 from __future__ import annotations
