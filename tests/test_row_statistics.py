@@ -41,8 +41,9 @@ def _expected(x: ChunkLogits, with_bias: bool) -> tuple[torch.Tensor, torch.Tens
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("multiplier", "softcap"), [(1.0, None), (0.7, 6.0)])
+@pytest.mark.parametrize(
+    ("dtype", "multiplier", "softcap"), [(torch.bfloat16, 1.0, None), (torch.float32, 0.7, 6.0)]
+)
 @pytest.mark.parametrize("segment_tiles", [1, 2, 100])  # 5 segments, 3 (the last ragged), one
 def test_the_biased_pass_and_its_base_equal_torch(dtype, multiplier, softcap, segment_tiles) -> None:
     x = _logits(dtype, multiplier, softcap)
