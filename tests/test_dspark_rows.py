@@ -246,7 +246,7 @@ def test_the_first_fused_chunk_is_checked_against_the_torch_path(monkeypatch, ca
     path that disagrees is turned off with one warning, one that agrees takes the later chunks."""
     x = _inputs()
     options = RowLossOptions((0.3, 0.9, 1.8), BLOCK, None, 1.0, None, CHUNK)
-    monkeypatch.setattr(dspark_rows, "fused_dspark_runs_on", lambda device: False)
+    monkeypatch.setattr(dspark_rows, "vocabulary_kernels_run_on", lambda device: False)
     expected = _run(x, True, True, options, reference=False)
     fused_calls = []
 
@@ -255,7 +255,7 @@ def test_the_first_fused_chunk_is_checked_against_the_torch_path(monkeypatch, ca
         terms, correct, sums = dspark_rows._torch_chunk(inputs, head, w2, scale, opts, grads)
         return (terms, correct, sums) if agrees else (terms * 1.1, correct, sums * 1.1)
 
-    monkeypatch.setattr(dspark_rows, "fused_dspark_runs_on", lambda device: True)
+    monkeypatch.setattr(dspark_rows, "vocabulary_kernels_run_on", lambda device: True)
     monkeypatch.setattr(dspark_rows, "_fused_chunk", fused)
     monkeypatch.setattr(dspark_rows, "_fused_error", None)
     monkeypatch.setattr(dspark_rows, "_fused_checked", False)

@@ -183,7 +183,7 @@ def test_ties_split_the_tv_gradient_in_halves() -> None:
 @pytest.mark.parametrize(("multiplier", "softcap"), [(1.0, None), (0.7, 6.0)])
 def test_dspark_row_loss_through_the_kernels_equals_the_reference(monkeypatch, multiplier, softcap) -> None:
     monkeypatch.setattr(dspark_rows, "_fused_error", None)
-    monkeypatch.setattr(dspark_rows, "fused_dspark_runs_on", lambda device: True)  # the CPU too
+    monkeypatch.setattr(dspark_rows, "vocabulary_kernels_run_on", lambda device: True)  # the CPU too
     x = {k: v.to(DEVICE) for k, v in _inputs().items()}
     options = RowLossOptions((0.3, 0.9, 1.8), BLOCK, 0.4, multiplier, softcap, CHUNK)
     got = _loss_and_grads(x, options, dspark_row_loss)
@@ -207,10 +207,10 @@ def test_a_failing_kernel_gives_one_warning_and_the_torch_path_from_then_on(monk
     x = _inputs()
     options = RowLossOptions((0.3, 0.9, 1.8), BLOCK, None, 0.7, 6.0, CHUNK)
     monkeypatch.setattr(fused_check, "_slow_paths", {})
-    monkeypatch.setattr(dspark_rows, "fused_dspark_runs_on", lambda device: False)
+    monkeypatch.setattr(dspark_rows, "vocabulary_kernels_run_on", lambda device: False)
     expected = _loss_and_grads(x, options, dspark_row_loss)
     monkeypatch.setattr(dspark_rows, "_fused_error", None)
-    monkeypatch.setattr(dspark_rows, "fused_dspark_runs_on", lambda device: True)
+    monkeypatch.setattr(dspark_rows, "vocabulary_kernels_run_on", lambda device: True)
     calls = []
 
     def broken(*args):

@@ -198,7 +198,7 @@ def test_the_first_fused_chunk_is_checked_against_the_torch_path(monkeypatch, ca
     expected = _run(XPressWeights(), chunk_blocks=CHUNK)
     monkeypatch.setattr(xpress_rows, "_fused_error", None)
     monkeypatch.setattr(xpress_rows, "_fused_tried", False)
-    monkeypatch.setattr(xpress_rows, "fused_dspark_runs_on", lambda device: True)
+    monkeypatch.setattr(xpress_rows, "vocabulary_kernels_run_on", lambda device: True)
     calls = []
 
     class Fused(xpress_vocabulary.TorchVocabulary):

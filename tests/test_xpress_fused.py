@@ -28,13 +28,13 @@ def test_the_fused_passes_equal_the_torch_path(monkeypatch) -> None:
             return kernel(*args, **kwargs)
 
         monkeypatch.setattr(xpress_vocabulary, name, counted)
-    monkeypatch.setattr(xpress_rows, "fused_dspark_runs_on", lambda device: True)
+    monkeypatch.setattr(xpress_rows, "vocabulary_kernels_run_on", lambda device: True)
     loss, stats, grads = _run(weights, chunk_blocks=CHUNK, device=DEVICE)
     # The kernels ran: per chunk, the teacher-forced pass with the base anchor, then each round.
     per_chunk = ["ce_with_base"] + ["row_statistics"] * weights.consistency_passes
     chunks = len(calls) // len(per_chunk)
     assert chunks > 1 and calls == per_chunk * chunks
-    monkeypatch.setattr(xpress_rows, "fused_dspark_runs_on", lambda device: False)
+    monkeypatch.setattr(xpress_rows, "vocabulary_kernels_run_on", lambda device: False)
     calls.clear()
     ref_loss, ref_stats, ref_grads = _run(weights, chunk_blocks=CHUNK, device=DEVICE)
     assert not calls

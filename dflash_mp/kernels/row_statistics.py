@@ -35,7 +35,7 @@ _SEGMENT_TILES = 16  # tiles per segment of a row
 _MERGE_ROWS = 64  # rows per program of the segments' merge
 
 
-def fused_dspark_runs_on(device: torch.device) -> bool:
+def vocabulary_kernels_run_on(device: torch.device) -> bool:
     """Whether these kernels and fused_dspark.py's run on `device` (CUDA with Triton)."""
     return triton is not None and device.type == "cuda"
 

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash_mp.kernels.fused_dspark import dspark_grad_in_place, dspark_terms
-from dflash_mp.kernels.row_statistics import ChunkLogits, fused_dspark_runs_on
+from dflash_mp.kernels.row_statistics import ChunkLogits, vocabulary_kernels_run_on
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.objective.autocast_operands import add_product_, in_autocast_dtype
 from dflash_mp.objective.fused_check import disagreement, turn_off
@@ -179,7 +179,7 @@ def _chunk(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One chunk of rows `part`: (terms [m, 3], correct [m], sum of w * terms [3]); its gradients
     into `grads`. `scale` [3]: alpha_t / denominator. Fused on CUDA, else (or once that failed) torch."""
-    if _fused_error is None and fused_dspark_runs_on(inputs[0].device):
+    if _fused_error is None and vocabulary_kernels_run_on(inputs[0].device):
         if not _fused_checked:
             return _checked_fused_chunk(inputs, head, w2, scale, opts, grads)
         done = _fused_chunk(inputs, head, w2, scale, opts, grads)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_mp.kernels.row_statistics import fused_dspark_runs_on
+from dflash_mp.kernels.row_statistics import vocabulary_kernels_run_on
 from dflash_mp.models.dspark_fields import vocabulary_chunk_blocks
 from dflash_mp.models.xpress import XPressRefiner, previous_tokens
 from dflash_mp.objective.autocast_operands import add_product_, in_autocast_dtype
@@ -94,7 +94,7 @@ class _Targets:
 
 
 def _fused_on(device: torch.device) -> bool:
-    return _fused_error is None and fused_dspark_runs_on(device)
+    return _fused_error is None and vocabulary_kernels_run_on(device)
 
 
 def _row_weights(ce: Tensor, targets: _Targets, decayed: bool, dpace_alpha: float | None) -> Tensor:
