@@ -61,11 +61,19 @@ def _check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
 
 
 def _keep_layers(text_config: PretrainedConfig, kept: int) -> int:
-    """Truncate `text_config` to its first `kept` layers (the count, and the per-layer types that
-    some configs derive the count from: NemotronH ignores num_hidden_layers)."""
+    """Truncate `text_config` to its first `kept` layers: the count, and the per-layer types where
+    the config stores them (NemotronH derives its count from them). Jamba, Bamba and Falcon-H1
+    derive their types from the count, read-only: those follow it and are left alone."""
     text_config.num_hidden_layers = kept
-    if getattr(text_config, "layer_types", None) is not None:
-        text_config.layer_types = text_config.layer_types[:kept]
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None and len(layer_types) != kept:
+        try:
+            text_config.layer_types = layer_types[:kept]
+        except AttributeError as error:  # derived, but not from num_hidden_layers
+            raise ValueError(
+                f"{type(text_config).__name__} cannot be cut to its first {kept} layers: its "
+                f"layer_types ({len(layer_types)} entries) is derived from other fields ({error})"
+            ) from error
     return kept
 
 
@@ -190,9 +198,7 @@ class TargetFeatureExtractor(nn.Module):
         path, layers = locate_decoder(model, kept_layers)
         decoder = model.get_submodule(path)
         shell_config = copy.deepcopy(text_config)
-        shell_config.num_hidden_layers = 0
-        if getattr(shell_config, "layer_types", None) is not None:
-            shell_config.layer_types = []
+        _keep_layers(shell_config, 0)
         with _seeded(device, seed):
             shell = AutoModel.from_config(shell_config, dtype=dtype).to(device)
         for name, child in shell.get_submodule(path).named_children():
