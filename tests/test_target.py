@@ -181,36 +181,3 @@ def test_the_target_forward_reads_no_device_value(untied: tuple[Path, Qwen3ForCa
         hidden_states = model(input_ids, output_hidden_states=True).hidden_states
     torch.testing.assert_close(features, torch.cat([hidden_states[2], hidden_states[4]], dim=-1))
 
-
-# Hybrids whose per-layer types are a read-only property derived from the layer count (and, for
-# Bamba and Jamba, from where the attention layers sit): the target is cut by its count alone.
-_DERIVED_TYPES = {
-    "JambaConfig": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                        expert_layer_offset=1, num_experts=2, num_experts_per_tok=1, mamba_d_state=8),
-    "BambaConfig": dict(attn_layer_indices=[1, 3], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
-                        mamba_n_groups=1, mamba_chunk_size=8),
-    "FalconH1Config": dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
-                           mamba_n_groups=1, mamba_chunk_size=8),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("config_class", list(_DERIVED_TYPES))
-def test_a_target_whose_layer_types_are_derived_is_cut_to_its_needed_layers(tmp_path: Path, config_class: str) -> None:
-    import transformers
-
-    torch.manual_seed(0)
-    config = getattr(transformers, config_class)(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False, **_DERIVED_TYPES[config_class],
-    )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(tmp_path)
-    extractor = TargetFeatureExtractor(tmp_path, [1, 3], dtype=torch.float32, device="cpu")
-    assert len(extractor.layers) == 4
-    input_ids = _input_ids(1, 12)
-    with torch.no_grad():
-        hidden_states = model(input_ids, output_hidden_states=True).hidden_states
-    expected = torch.cat([hidden_states[2], hidden_states[4]], dim=-1)
-    torch.testing.assert_close(extractor(input_ids), expected, atol=1e-5, rtol=1e-5)
-    random = TargetFeatureExtractor.build_random(config, [1, 3], torch.float32, "cpu")
-    assert len(random.layers) == 4 and random(input_ids).shape == expected.shape
