@@ -291,3 +291,31 @@ def test_a_family_trains_exports_and_loads_in_the_reference(name: str, family_sw
     drafter, info = DFlashDraftModel.from_pretrained(str(run / "export"), output_loading_info=True)
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     assert (drafter.block_size, drafter.mask_token_id, drafter.target_layer_ids) == (4, 151669, [1, 3])
+
+
+class _PatternConfig(transformers.LlamaConfig):
+    """Layer types derived, read-only, from a pattern of its own rather than from the layer count."""
+
+    model_type = "dflash_mp_test_pattern"
+
+    def __init__(self, pattern: str = "ffffff", **kwargs) -> None:
+        self.pattern = pattern
+        super().__init__(**kwargs)
+
+    @property
+    def layer_types(self) -> list[str]:
+        return ["full_attention" for _ in self.pattern]
+
+
+class _PatternForCausalLM(transformers.LlamaForCausalLM):
+    config_class = _PatternConfig
+
+
+def test_the_preflight_refuses_a_target_that_cannot_be_cut_to_the_layers_read(tmp_path: Path) -> None:
+    """The target ranks build the target cut after its last layer read: a config that cannot be cut
+    is refused by the preflight, naming it, rather than by a rank after it."""
+    transformers.AutoConfig.register(_PatternConfig.model_type, _PatternConfig, exist_ok=True)
+    transformers.AutoModelForCausalLM.register(_PatternConfig, _PatternForCausalLM, exist_ok=True)
+    target = _target_with(tmp_path, "llama3", model_type=_PatternConfig.model_type, num_hidden_layers=6)
+    with pytest.raises(ConfigError, match=rf"model.target_path='{target}': cut to the 4 layers .* _PatternConfig"):
+        validate(custom_recipe(target))

@@ -88,9 +88,17 @@ def _layer_problems(cfg: DictConfig | RootConfig, target: dict[str, Any]) -> lis
         )
     if len(set(ids)) != len(ids):
         problems.append(f"model.target_layer_ids={ids!r}: ids must be distinct")
-    if not bad:
-        problems += drafter_config_problems(m, target, ids)
+    if not bad and ids:
+        problems += drafter_config_problems(m, target, ids) + _cut_problems(m, max(ids) + 1)
     return problems
+
+
+def _cut_problems(m: Any, kept: int) -> list[str]:
+    """Whether the target cut to the layers the drafter reads builds as the target ranks build it."""
+    from dflash_mp.models.target_structure import cut_problem
+
+    problem = cut_problem(Path(str(m.target_path)), kept, bool(m.trust_remote_code))
+    return [] if problem is None else [f"model.target_path={str(m.target_path)!r}: {problem}"]
 
 
 def _validate_dflash2_against_target(problems: list[str], m: Any, target: dict[str, Any]) -> None:

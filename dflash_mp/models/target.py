@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Pretrained
 from dflash_mp.models import packed_check, packed_target, target_graphs, target_kernels
 from dflash_mp.models.target_checkpoint import checkpoint_bytes
 from dflash_mp.models.target_structure import (
+    cut_to_layers,
     decoder_layers,
     find_decoder,
     load_embedding_and_head,
@@ -58,23 +59,6 @@ def _check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
             f"model.target_layer_ids={list(layer_ids)} is invalid for a target with {num_layers} layers: "
             f"use a non-empty list of layer indices in [0, {num_layers - 1}]"
         )
-
-
-def _keep_layers(text_config: PretrainedConfig, kept: int) -> int:
-    """Truncate `text_config` to its first `kept` layers: the count, and the per-layer types where
-    the config stores them (NemotronH derives its count from them). Jamba, Bamba and Falcon-H1
-    derive their types from the count, read-only: those follow it and are left alone."""
-    text_config.num_hidden_layers = kept
-    layer_types = getattr(text_config, "layer_types", None)
-    if layer_types is not None and len(layer_types) != kept:
-        try:
-            text_config.layer_types = layer_types[:kept]
-        except AttributeError as error:  # derived, but not from num_hidden_layers
-            raise ValueError(
-                f"{type(text_config).__name__} cannot be cut to its first {kept} layers: its "
-                f"layer_types ({len(layer_types)} entries) is derived from other fields ({error})"
-            ) from error
-    return kept
 
 
 class _DropLoadReport(logging.Filter):
@@ -117,7 +101,7 @@ class TargetFeatureExtractor(nn.Module):
         self.hidden_size: int = text_config.hidden_size
 
         # Build only the layers we read, so the later ones are never materialised (their weights are skipped).
-        kept_layers = _keep_layers(text_config, max(layer_ids) + 1)
+        kept_layers = cut_to_layers(text_config, max(layer_ids) + 1)
         device = torch.device(device)
         if mesh is not None:
             _tp().check_divisible(text_config, _tp().parallel_degree(mesh))
@@ -187,7 +171,7 @@ class TargetFeatureExtractor(nn.Module):
         text_config = copy.deepcopy(config.get_text_config())
         num_layers = text_config.num_hidden_layers
         _check_layer_ids(layer_ids, num_layers)
-        kept_layers = _keep_layers(text_config, max(layer_ids) + 1)
+        kept_layers = cut_to_layers(text_config, max(layer_ids) + 1)
         if mesh is not None:
             _tp().check_divisible(text_config, _tp().parallel_degree(mesh))
         device = torch.device(device)
@@ -198,7 +182,7 @@ class TargetFeatureExtractor(nn.Module):
         path, layers = locate_decoder(model, kept_layers)
         decoder = model.get_submodule(path)
         shell_config = copy.deepcopy(text_config)
-        _keep_layers(shell_config, 0)
+        cut_to_layers(shell_config, 0)
         with _seeded(device, seed):
             shell = AutoModel.from_config(shell_config, dtype=dtype).to(device)
         for name, child in shell.get_submodule(path).named_children():

@@ -65,6 +65,41 @@ def locate_decoder(model: nn.Module, num_layers: int) -> tuple[str, str]:
     return path, name
 
 
+def cut_to_layers(text_config: Any, kept: int) -> int:
+    """Cut `text_config` to its first `kept` layers, as the target ranks build the target: the
+    count, and the per-layer types where the config stores them (NemotronH derives its count from
+    them). Jamba, Bamba and Falcon-H1 derive their types from the count, read-only: those follow it."""
+    text_config.num_hidden_layers = kept
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None and len(layer_types) != kept:
+        try:
+            text_config.layer_types = layer_types[:kept]
+        except AttributeError as error:  # derived, but not from num_hidden_layers
+            raise TargetStructureError(
+                f"{type(text_config).__name__} cannot be cut to its first {kept} layers: its "
+                f"layer_types ({len(layer_types)} entries) is derived from other fields ({error})"
+            ) from error
+    return kept
+
+
+def cut_problem(path: str | Path, kept: int, trust_remote_code: bool = False) -> str | None:
+    """Why the target at `path` cut to its first `kept` layers (on the meta device: no memory)
+    does not build with a decoder of `kept` layers as the target ranks build it; None when it does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        cut_to_layers(config.get_text_config(), kept)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        locate_decoder(model, kept)
+    except TargetStructureError as e:
+        return f"cut to the {kept} layers the drafter reads: {e}"
+    except Exception as e:  # noqa: BLE001 - transformers' own refusal of the cut config
+        return f"transformers cannot build it cut to the {kept} layers the drafter reads ({_first_line(e)})"
+    return None
+
+
 def find_decoder(model: nn.Module, num_layers: int) -> nn.Module:
     """The module that runs the `num_layers` decoder layers and the final norm (see locate_decoder)."""
     path, _ = locate_decoder(model, num_layers)
