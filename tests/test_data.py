@@ -121,6 +121,9 @@ BAD_RECORDS = {
     'message 1 has no "role"': json.dumps({"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}),
     'message 0 has no "content"': json.dumps({"messages": [{"role": "assistant"}]}),
     '"content" must be a string': json.dumps({"messages": [{"role": "assistant", "content": ["b"]}]}),
+    "content parts of type": json.dumps(
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    ),
     "empty conversation": json.dumps({"messages": []}),
     "no assistant turn": record(("user", "Count from 3 to 5.")),
 }
@@ -132,6 +135,31 @@ def test_parse_record_names_each_bad_kind(tokenizer: Any, reason: str) -> None:
         parse_record(BAD_RECORDS[reason], "d.jsonl", 12, tokenizer, max_length=32)
     assert (caught.value.path, caught.value.line) == ("d.jsonl", 12)
     assert str(caught.value).startswith("d.jsonl:12: ")
+
+
+def test_other_spellings_of_a_chat_give_the_same_sample(tokenizer: Any) -> None:
+    """OpenAI-style text parts (joined with newlines, as vLLM joins them), an assistant turn that
+    only calls a tool (content null), and the ShareGPT dumps' assistants named by model."""
+    parts = [{"type": "text", "text": "Count from 3"}, {"type": "text", "text": "to 5."}]
+    spellings = {
+        "parts": {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "3 4 5."}]},
+        "string": {"messages": chat(("user", "Count from 3\nto 5."), ("assistant", "3 4 5."))},
+        "chatgpt": {"conversations": [{"from": "human", "value": "Count from 3\nto 5."},
+                                      {"from": "chatgpt", "value": "3 4 5."}]},
+    }  # fmt: skip
+    samples = {
+        name: parse_record(json.dumps(obj), "d.jsonl", 1, tokenizer, 64) for name, obj in spellings.items()
+    }
+    for sample in samples.values():
+        assert sample.input_ids == samples["string"].input_ids
+        assert sample.loss_mask == samples["string"].loss_mask
+    tool_call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": "f"}}],
+    }
+    turns = [{"role": "user", "content": "Count."}, tool_call, {"role": "assistant", "content": "3 4 5."}]
+    assert any(parse_record(json.dumps({"messages": turns}), "d.jsonl", 1, tokenizer, 64).loss_mask)
 
 
 def bad_file(tmp_path: Path) -> Path:
@@ -187,6 +215,17 @@ def test_empty_data_set_names_the_files_and_the_fix(tmp_path: Path) -> None:
     assert str(empty) in str(caught.value) and str(blank) in str(caught.value)
     with pytest.raises(DataError, match="missing.jsonl"):
         JsonlIndex([tmp_path / "missing.jsonl"])
+
+
+@pytest.mark.parametrize("layout", ["indented", "one line"])
+def test_a_json_array_is_refused_naming_the_conversion(tmp_path: Path, layout: str) -> None:
+    records = [json.loads(GOOD)] * 3
+    text = json.dumps(records, indent=2 if layout == "indented" else None)
+    path = tmp_path / "data.json"
+    path.write_text(text + "\n")
+    with pytest.raises(DataError, match="one JSON array, not JSON Lines") as caught:
+        JsonlIndex([path])
+    assert f"jq -c '.[]' {path} > {tmp_path / 'data.jsonl'}" in str(caught.value)
 
 
 def test_index_reads_records_with_their_line_numbers(tmp_path: Path) -> None:

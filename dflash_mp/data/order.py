@@ -27,12 +27,14 @@ class JsonlIndex:
         self._length = array("q")
         self._line = array("q")
         for file_index, path in enumerate(self.paths):
+            first = last = b""
             try:
                 with open(path, "rb") as f:
                     offset = 0
                     for line_number, line in enumerate(f, start=1):
                         # A byte-order mark alone on a line is blank too.
-                        if line.removeprefix(b"\xef\xbb\xbf").strip():
+                        if text := line.removeprefix(b"\xef\xbb\xbf").strip():
+                            first, last = first or text, text
                             self._file.append(file_index)
                             self._offset.append(offset)
                             self._length.append(len(line))
@@ -40,6 +42,11 @@ class JsonlIndex:
                         offset += len(line)
             except OSError as e:
                 raise DataError(f"{path}: cannot read data file ({e.strerror})") from e
+            if first.startswith(b"[") and last.endswith(b"]"):  # no line of it is a record (an object)
+                raise DataError(
+                    f"{path}: one JSON array, not JSON Lines (one record per line): convert it with "
+                    f"`jq -c '.[]' {path} > {Path(path).with_suffix('.jsonl')}`"
+                )
         if not self._offset:
             raise EmptyData(
                 f"no records in {', '.join(self.paths) or '(no files given)'}: every file is empty or blank. "

@@ -1,7 +1,8 @@
 """Record formats: one JSONL line -> a conversation (role/content messages) or a pre-rendered text.
 
 Accepted, per record (what SpecForge and speculators users already have):
-  {"messages": [{"role", "content", "reasoning_content"?}, ...]}
+  {"messages": [{"role", "content", "reasoning_content"?}, ...]}   (content: a string, or
+                                                          OpenAI-style text parts)
   {"conversations": [{"role", "content"}, ...]}
   {"conversations": [{"from": "human"|"gpt"|"system", "value"}, ...]}   (ShareGPT)
   {"text": "...", "loss_spans"?: [[start, end], ...]}   (pre-rendered; loss on every token, or on
@@ -25,6 +26,10 @@ SHAREGPT_ROLES = {
     "gpt": "assistant",
     "assistant": "assistant",
     "system": "system",
+    # Assistants named by their model in the ShareGPT dumps.
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
 }
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -135,16 +140,42 @@ def _role_messages(turns: Any, key: str) -> list[dict[str, Any]]:
         for name in ("role", "content"):
             if name not in message:
                 raise RecordError("bad conversation", f'message {i} has no "{name}"')
-            if not isinstance(message[name], str):
-                raise RecordError(
-                    "bad conversation",
-                    f'message {i}: "{name}" must be a string, got {type(message[name]).__name__}',
-                )
+        if not isinstance(message["role"], str):
+            raise RecordError(
+                "bad conversation",
+                f'message {i}: "role" must be a string, got {type(message["role"]).__name__}',
+            )
         reasoning = message.get("reasoning_content")
         if reasoning is not None and not isinstance(reasoning, str):
             raise RecordError("bad conversation", f'message {i}: "reasoning_content" must be a string')
-        messages.append(dict(message))
+        content = message["content"]
+        if content is None and message.get("tool_calls"):
+            content = ""  # OpenAI's assistant turn that only calls tools
+        messages.append({**message, "content": _content_text(content, i)})
     return messages
+
+
+def _content_text(content: Any, i: int) -> str:
+    """A message's content as text: a string, or OpenAI-style parts that are all text, joined with
+    newlines as vLLM joins them for a chat template."""
+    if isinstance(content, str):
+        return content
+    parts = content if isinstance(content, list) else None
+    if parts is None or not all(isinstance(part, dict) for part in parts):
+        raise RecordError(
+            "bad conversation",
+            f'message {i}: "content" must be a string or a list of {{"type": "text", "text": ...}} '
+            f"parts, got {type(content).__name__}",
+        )
+    other = sorted({str(part.get("type")) for part in parts} - {"text"})
+    if other:
+        raise RecordError(
+            "non-text content",
+            f"message {i}: content parts of type {other}: the drafter trains on text only; drop them",
+        )
+    if not all(isinstance(part.get("text"), str) for part in parts):
+        raise RecordError("bad conversation", f'message {i}: a "text" part without a "text" string')
+    return "\n".join(part["text"] for part in parts)
 
 
 def _sharegpt_messages(turns: list) -> list[dict[str, Any]]:
@@ -158,7 +189,7 @@ def _sharegpt_messages(turns: list) -> list[dict[str, Any]]:
         if role is None:
             raise RecordError(
                 "bad conversation",
-                f'ShareGPT turn {i}: unknown "from" {turn.get("from")!r} (expected human, gpt or system)',
+                f'ShareGPT turn {i}: unknown "from" {turn.get("from")!r} (expected one of {sorted(SHAREGPT_ROLES)})',
             )
         messages.append({"role": role, "content": turn["value"]})
     return messages
