@@ -37,7 +37,7 @@ from dflash_mp.embedded import cache_dir
 # Records packed together: large enough that best-fit leaves rows ~99% full, small enough that a
 # window's rows are spread over a short stretch of the epoch's order.
 PACKING_WINDOW = 1024
-_FORMAT = 1  # bump when the cached index's meaning changes
+_FORMAT = 2  # bump when the cached index's meaning changes, or which records data/records.py accepts
 PROGRESS_EVERY = 20_000
 
 USABLE, TRUNCATED, TOO_LONG, BAD = 0, 1, 2, 3
