@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from pathlib import Path
@@ -226,6 +227,22 @@ def test_a_json_array_is_refused_naming_the_conversion(tmp_path: Path, layout: s
     with pytest.raises(DataError, match="one JSON array, not JSON Lines") as caught:
         JsonlIndex([path])
     assert f"jq -c '.[]' {path} > {tmp_path / 'data.jsonl'}" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("encode", "message"),
+    [
+        (gzip.compress, r"gzip-compressed, not JSON Lines text: decompress it \(`gunzip -k "),
+        (lambda data: data.decode().encode("utf-16"), "UTF-16 text: re-encode it as UTF-8"),
+    ],
+)
+def test_a_compressed_or_utf16_file_is_refused_naming_the_fix(
+    tmp_path: Path, encode: Any, message: str
+) -> None:
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(encode((GOOD + "\n").encode() * 3))
+    with pytest.raises(DataError, match=message):
+        JsonlIndex([path])
 
 
 def test_index_reads_records_with_their_line_numbers(tmp_path: Path) -> None:

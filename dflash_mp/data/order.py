@@ -30,6 +30,9 @@ class JsonlIndex:
             first = last = b""
             try:
                 with open(path, "rb") as f:
+                    if problem := _not_json_lines(path, f.read(6)):
+                        raise DataError(problem)
+                    f.seek(0)
                     offset = 0
                     for line_number, line in enumerate(f, start=1):
                         # A byte-order mark alone on a line is blank too.
@@ -71,6 +74,27 @@ class JsonlIndex:
         """
         path, line, raw = self.read_bytes(i)
         return path, line, raw.decode("utf-8", errors="replace").removeprefix("\ufeff")
+
+
+# What a data file is when its first bytes say it is no UTF-8 text.
+_MAGIC = {
+    b"\x1f\x8b": ("gzip-compressed", "gunzip -k"),
+    b"\x28\xb5\x2f\xfd": ("zstd-compressed", "zstd -d"),
+    b"BZh": ("bzip2-compressed", "bunzip2 -k"),
+    b"\xfd7zXZ\x00": ("xz-compressed", "unxz -k"),
+    b"PK\x03\x04": ("a zip archive", "unzip"),
+}
+
+
+def _not_json_lines(path: str, head: bytes) -> str | None:
+    """Why the file starting with `head` is not JSON Lines text at all, with the command that makes
+    it so (None: it may be; its records are judged one by one)."""
+    for magic, (what, command) in _MAGIC.items():
+        if head.startswith(magic):
+            return f"{path}: {what}, not JSON Lines text: decompress it (`{command} {path}`) and give what that writes"
+    if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return f"{path}: UTF-16 text: re-encode it as UTF-8 (`iconv -f UTF-16 -t UTF-8 {path} > FILE.jsonl`)"
+    return None
 
 
 def epoch_permutation(num_records: int, seed: int, epoch: int) -> list[int]:
