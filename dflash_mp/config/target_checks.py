@@ -36,6 +36,7 @@ def target_problems(cfg: DictConfig | RootConfig) -> list[str]:
     if m.arch == "dflash2":
         _validate_dflash2_against_target(problems, m, target)
     problems += _layer_problems(cfg, target)
+    problems += [] if problems else _cut_problems(cfg, target)
     problems += mask_token_problems(m, target_dir)
     problems += target_parallel_head_problems(t.target_parallel, target)
     if isinstance(t.target_parallel, int) and t.target_parallel > 1:
@@ -88,16 +89,19 @@ def _layer_problems(cfg: DictConfig | RootConfig, target: dict[str, Any]) -> lis
         )
     if len(set(ids)) != len(ids):
         problems.append(f"model.target_layer_ids={ids!r}: ids must be distinct")
-    if not bad and ids:
-        problems += drafter_config_problems(m, target, ids) + _cut_problems(m, max(ids) + 1)
+    if not bad:
+        problems += drafter_config_problems(m, target, ids)
     return problems
 
 
-def _cut_problems(m: Any, kept: int) -> list[str]:
-    """Whether the target cut to the layers the drafter reads builds as the target ranks build it."""
+def _cut_problems(cfg: DictConfig | RootConfig, target: dict[str, Any]) -> list[str]:
+    """Whether the target cut after the last layer the drafter reads builds as the target ranks
+    build it (asked once nothing else is wrong with the target)."""
     from dflash_mp.models.target_structure import cut_problem
 
-    problem = cut_problem(Path(str(m.target_path)), kept, bool(m.trust_remote_code))
+    m = cfg.model
+    ids = resolved_target_layer_ids(cfg, int(target["num_hidden_layers"]))
+    problem = cut_problem(Path(str(m.target_path)), max(ids) + 1, bool(m.trust_remote_code)) if ids else None
     return [] if problem is None else [f"model.target_path={str(m.target_path)!r}: {problem}"]
 
 
