@@ -57,6 +57,8 @@ _MIXING_WORDS = (
     "gru", "scan", "shift", "timemix",
 )  # fmt: skip
 _MIXING_PHRASES = (("linear", "attention"), ("state", "space"))
+# Named as convolutions, but each position on its own: GPT-2's projections (a transposed Linear).
+_POINTWISE = frozenset({"transformers.pytorch_utils.Conv1D"})
 # What transformers' gated-deltanet forward runs through its module's globals (patched per call):
 # the recurrence, and the convolution under the name of its version (5.25: causal_conv1d_forward,
 # given the conv module; 5.17: causal_conv1d_fn, given its weights).
@@ -151,6 +153,8 @@ def _position_mixers(decoder: nn.Module) -> tuple[list[nn.Module], list[str]]:
 
 def _mixes_positions(module: nn.Module) -> bool:
     cls = type(module)
+    if f"{cls.__module__}.{cls.__qualname__}" in _POINTWISE:
+        return False
     if any(c.__module__ in _MIXING_TORCH_MODULES for c in cls.__mro__):
         return True
     # The words of the class name: GptOssModel is Gpt Oss Model (no "ssm"), Mamba2Mixer is Mamba2 Mixer.
