@@ -24,14 +24,11 @@ def _has_gpu() -> bool:
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto` (pyproject's addopts): on CPU one worker more than the cores, at most 4. Much of
-    the suite waits on its subprocess jobs (their startups, a watchdog's deadline): with one worker
-    per core the 2-core CI machine had 1.5 cores busy, with three 1.8 (suite: 562 s, then 468 s).
-    With a GPU the suite runs in one process: GPU tests share one device and some count its
-    synchronisations."""
+    """`-n auto` (pyproject's addopts): one worker per core, at most 4, on CPU. With a GPU the
+    suite runs in one process: GPU tests share one device and some count its synchronisations."""
     if _has_gpu():
         return 0
-    return max(1, min(4, len(os.sched_getaffinity(0)) + 1))
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 def _triton_skip_reason(has_gpu: bool) -> str | None:
