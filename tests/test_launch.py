@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -240,7 +241,8 @@ def test_data_without_a_usable_record_is_refused_under_plain_torchrun_too(tmp_pa
     the reason before loading a model, and nothing is trained or reported as done. Random bytes:
     as JSONL every line is a bad record; as Parquet the file is not one."""
     data = tmp_path / name
-    data.write_bytes(b" \n" + os.urandom(4000))  # a blank first line is not a record
+    # The same bytes on every run; a blank first line is not a record.
+    data.write_bytes(b" \n" + random.Random(0).randbytes(4000))
     run = tmp_path / "binary"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
