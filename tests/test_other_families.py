@@ -1,7 +1,8 @@
 """Families outside docs/TARGETS.md's table (tests/other_families.py), in process: the target
 stage finds each one's decoder and cuts it to the layers read, its features are HF's
-`output_hidden_states`, each document of a packed row gets its features alone, and the drafter config it gives builds in the reference and in ours alike.
-Training and the export (two steps each, about 4 s a family): `python -m tests.other_families`."""
+`output_hidden_states`, each document of a packed row gets the features it gets alone, and the
+drafter config it gives builds in the reference and in ours alike. Training and the export (two
+steps each, about 4 s a family): `python -m tests.other_families`."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ TOKENS = torch.arange(3, 27).reshape(1, 24) * 7 % VOCAB
 
 
 @pytest.mark.parametrize("name", OTHER_FAMILIES)
-def test_another_family_gives_hf_features_and_a_drafter_every_reader_builds(
+def test_another_family_gives_hf_features_packed_documents_alone_and_a_drafter(
     name: str, tmp_path: Path
 ) -> None:
     small = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
