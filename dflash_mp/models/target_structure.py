@@ -85,14 +85,8 @@ def cut_to_layers(text_config: Any, kept: int) -> int:
 def cut_problem(path: str | Path, kept: int, trust_remote_code: bool = False) -> str | None:
     """Why the target at `path` cut to its first `kept` layers (on the meta device: no memory)
     does not build with a decoder of `kept` layers as the target ranks build it; None when it does."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-        cut_to_layers(config.get_text_config(), kept)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-        locate_decoder(model, kept)
+        locate_decoder(meta_model(path, trust_remote_code, kept_layers=kept), kept)
     except TargetStructureError as e:
         return f"cut to the {kept} layers the drafter reads: {e}"
     except Exception as e:  # noqa: BLE001 - transformers' own refusal of the cut config
@@ -120,11 +114,16 @@ def layers_name(decoder: nn.Module) -> str:
     return next(name for name, child in decoder.named_children() if child is layers)
 
 
-def meta_model(path: str | Path, trust_remote_code: bool = False) -> nn.Module:
-    """The target's CausalLM as the target ranks build it, on the meta device (no memory)."""
+def meta_model(
+    path: str | Path, trust_remote_code: bool = False, kept_layers: int | None = None
+) -> nn.Module:
+    """The target's CausalLM on the meta device (no memory); with `kept_layers`, cut after them as
+    the target ranks build it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    if kept_layers is not None:
+        cut_to_layers(config.get_text_config(), kept_layers)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
